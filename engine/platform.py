@@ -1,0 +1,5 @@
+"""Placeholder; replaced by the loader/doctor work (BLAS preload, backend facts)."""
+
+
+def preload_blas() -> None:
+    return None
