@@ -1,0 +1,61 @@
+"""The one interface every drafter implements, so one verify loop serves them all.
+
+Sequence state, shared by the loop and the drafter: ``ids`` are all committed tokens (prompt
+and output). The last one, the *anchor*, has not been fed to the target yet; the target's KV
+cache (and its tapped hidden rows) cover ``ids[:-1]``. Each round the drafter proposes tokens
+to follow the anchor, the target verifies ``[anchor] + drafts`` in one forward, and the loop
+commits the accepted prefix plus one token of the target's own. A drafter never decides what
+is committed: it only changes how many target forwards the same output costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.sampling import Sampler
+
+
+@dataclass
+class Draft:
+    """Proposed tokens [k] and, for sampling, the drafter's distribution q [k, V] at each.
+
+    ``probs`` None means the drafts are deterministic (q is one-hot), as for n-gram lookup or
+    any greedy drafter. Tokens may be a lazy array: the loop feeds them to the target without
+    a host round trip.
+    """
+
+    tokens: mx.array
+    probs: mx.array | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class Drafter:
+    """Base class. Subclasses override what they need; the defaults suit a stateless drafter."""
+
+    #: short mode name shown in telemetry and summaries
+    name: str = "drafter"
+    #: target decoder layers whose outputs the drafter reads (empty: no tap needed)
+    tap_layers: tuple[int, ...] = ()
+    #: the most tokens one proposal can hold
+    max_draft: int = 8
+    #: whether proposals depend on the drafter's own model (for cost calibration)
+    has_model: bool = False
+
+    def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
+        """A new sequence: the target has prefilled ``prompt_ids``; ``hidden`` holds the tapped
+        rows for every prompt token (None without taps)."""
+
+    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        """Up to ``cap`` tokens to follow ``ids[-1]``. None or an empty draft: no guess this round
+        (the loop takes a plain target step)."""
+        raise NotImplementedError
+
+    def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
+        """The loop committed tokens: ``ids`` is the full sequence now, the last ``n_new`` are
+        new. ``hidden`` holds the tapped rows for the tokens the target just cached (the previous
+        anchor and the accepted drafts: ``n_new`` rows) or None."""

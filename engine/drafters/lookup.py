@@ -1,0 +1,82 @@
+"""Drafter-free n-gram lookup: propose what followed the longest earlier match of the context.
+
+Prompt lookup pays on copy-heavy work (editing code, quoting, summarising with spans): when the
+last few tokens occurred earlier, the tokens after that occurrence are a good guess. Longer
+verbatim matches are more likely to continue, so they earn longer drafts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.drafters.base import Draft, Drafter
+from engine.sampling import Sampler
+
+MIN_NGRAM = 3  # shorter keys fire often on chat and mostly miss (a net loss)
+MAX_CANDIDATES = 8  # recent occurrences examined per round
+MAX_MATCH = 64
+
+
+class LookupDrafter(Drafter):
+    name = "lookup"
+
+    def __init__(self, max_draft: int = 32, min_ngram: int = MIN_NGRAM):
+        self.max_draft = max_draft
+        self.min_ngram = min_ngram
+        self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self._indexed = 0  # positions < this have their n-gram ending there indexed
+        self._ids: list[int] = []
+
+    def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
+        self._index.clear()
+        self._indexed = 0
+        self._ids = []
+
+    def _extend(self, ids: Sequence[int]) -> None:
+        """Index every n-gram that ends before the current last token (whose continuation is
+        known), by the position of the token that followed it."""
+        self._ids = list(ids)
+        n = self.min_ngram
+        for end in range(max(self._indexed, n), len(self._ids)):
+            self._index[tuple(self._ids[end - n : end])].append(end)
+        self._indexed = max(self._indexed, len(self._ids))
+
+    def match(self, ids: Sequence[int]) -> tuple[int, int]:
+        """(start of the continuation, match length) of the longest earlier match of the
+        context's suffix; the latest occurrence wins a tie. (0, 0) when none."""
+        self._extend(ids)
+        n = self.min_ngram
+        if len(self._ids) <= n:
+            return 0, 0
+        key = tuple(self._ids[-n:])
+        best_pos, best_len = 0, 0
+        last = len(self._ids)
+        for pos in reversed(self._index.get(key, [])[-MAX_CANDIDATES:]):
+            if pos >= last:
+                continue
+            length = n
+            while length < MAX_MATCH and pos - length - 1 >= 0 and self._ids[pos - length - 1] == self._ids[last - length - 1]:
+                length += 1
+            if length > best_len:
+                best_pos, best_len = pos, length
+        return best_pos, best_len
+
+    def draft_length(self, match_len: int, cap: int) -> int:
+        # A bare n-gram hit earns a short guess; each further matched token buys two more.
+        return min(cap, self.max_draft, 2 + 2 * (match_len - self.min_ngram) + 2)
+
+    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        start, length = self.match(ids)
+        if length == 0:
+            return None
+        k = self.draft_length(length, cap)
+        tokens = self._ids[start : start + k]
+        if not tokens:
+            return None
+        return Draft(mx.array(tokens, dtype=mx.uint32))
+
+    def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
+        self._extend(ids)

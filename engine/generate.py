@@ -1,0 +1,273 @@
+"""Engine: a loaded target plus its drafters, with streaming generation on top of the loop.
+
+``Engine.stream`` turns a prompt (text, chat messages or token ids) into chunks of text as the
+loop commits tokens, applies stop strings and cancellation, and ends with a ``GenerationResult``.
+All MLX work happens in the thread that iterates the stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+from engine.detokenize import StopMatcher, StreamingDetokenizer
+from engine.drafters.base import Drafter
+from engine.errors import TandemError
+from engine.sampling import Sampler, SamplingParams
+from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
+from engine.target import Target
+
+MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash")
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    mode: str
+    prompt_tokens: int
+    rounds: list[tuple[int, int]]  # (drafted, accepted) per round
+    prefill_s: float
+    decode_s: float
+    target_forwards: int
+    finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
+    cap: int | str = 0
+    token_times: list[float] = field(default_factory=list)  # seconds since the request began
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from prefill; decode speed counts the ones after it.
+        return (self.generated - 1) / self.decode_s if self.decode_s > 0 and self.generated > 1 else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] if self.token_times else self.prefill_s
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per verify round (accepted drafts + the target's own), the
+        acceptance length tau; rounds that drafted nothing count as 1."""
+        spec = self.rounds[1:]  # round 0 is the prefill's token
+        return (sum(a for _, a in spec) + len(spec)) / len(spec) if spec else 0.0
+
+    @property
+    def drafted(self) -> int:
+        return sum(d for d, _ in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(a for _, a in self.rounds)
+
+    def summary(self) -> str:
+        return (
+            f"{self.generated} tokens | {self.decode_tps:.1f} tok/s decode | prefill {self.prompt_tokens} tok "
+            f"in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} | accept/round {self.mean_accepted:.2f} "
+            f"| {self.target_forwards} target forwards | {self.finish_reason}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "cap": self.cap, "tokens": self.generated, "prompt_tokens": self.prompt_tokens,
+            "decode_tok_s": round(self.decode_tps, 3), "prefill_tok_s": round(self.prefill_tps, 3),
+            "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+            "accept_per_round": round(self.mean_accepted, 3), "drafted": self.drafted, "accepted": self.accepted,
+            "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class Chunk:
+    """A piece of the stream: new text and tokens from one round, or the final result."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    event: RoundEvent | None = None
+    result: GenerationResult | None = None
+
+
+class Engine:
+    """A target model and the drafters it can use. Not thread-safe: one thread owns it."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str = "target", loaded: Any = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.loaded = loaded  # engine.loading.LoadedModel when loaded from disk
+        self.target = Target(model, tokenizer, name=name)
+        self._drafters: dict[tuple, Drafter] = {}
+        self.drafter_path: str | None = None  # DSpark/DFlash checkpoint chosen by the user
+        self.draft_model_spec: str | None = None
+
+    # -- prompts ----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise TandemError("empty prompt: give some text to continue")
+            if chat_template and getattr(self.tokenizer, "chat_template", None):
+                messages = ([{"role": "system", "content": system}] if system else []) + [
+                    {"role": "user", "content": prompt}]
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return list(self.tokenizer.encode(prompt))
+        prompt = list(prompt)
+        if not prompt:
+            raise TandemError("empty prompt: give some text to continue")
+        if isinstance(prompt[0], dict):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise TandemError(f"{self.name} has no chat template; pass plain text instead of messages")
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+        return [int(t) for t in prompt]
+
+    # -- drafters ---------------------------------------------------------------------------
+    def resolve_mode(self, mode: str) -> str:
+        if mode not in MODES:
+            raise TandemError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
+        if mode != "auto":
+            return mode
+        from engine import modes
+
+        return modes.auto_mode(self)
+
+    def drafter(self, mode: str) -> Drafter | None:
+        from engine import modes
+
+        key = (mode, self.drafter_path, self.draft_model_spec)
+        if key not in self._drafters:
+            self._drafters[key] = modes.make_drafter(self, mode)
+        return self._drafters[key]
+
+    def default_cap(self, mode: str, drafter: Drafter | None) -> int:
+        from engine import modes
+
+        return modes.default_cap(self, mode, drafter)
+
+    # -- generation -------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        mode: str = "auto",
+        max_new_tokens: int = 256,
+        max_draft: int | str | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        chat_template: bool = True,
+        system: str | None = None,
+        cap_policy: CapPolicy | None = None,
+        on_round: Callable[[RoundEvent], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
+        prefill_progress: Callable[[int, int], None] | None = None,
+    ) -> Iterator[Chunk]:
+        if max_new_tokens is None or max_new_tokens < 1:
+            raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
+        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
+        mode = self.resolve_mode(mode)
+        drafter = self.drafter(mode)
+        if drafter is not None and not self.target.can_rollback:
+            raise TandemError(f"{self.name} uses a KV cache that cannot be rolled back; only --mode baseline works")
+        cap_label: int | str
+        if cap_policy is None:
+            cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft)
+        else:
+            cap_label = getattr(cap_policy, "label", "custom")
+        stats = DecodeStats()
+        detok = StreamingDetokenizer(self.tokenizer)
+        stops = StopMatcher(stop)
+        tokens: list[int] = []
+        times: list[float] = []
+        t0 = time.perf_counter()
+        t_first = None
+        eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        steps = decode(self.target, drafter, prompt_ids, sampler, max_new_tokens=max_new_tokens, eos_ids=eos,
+                       cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress)
+        stopped = False
+        try:
+            for new, event in steps:
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                tokens.extend(new)
+                times.extend([now - t0] * len(new))
+                if on_round is not None:
+                    on_round(event)
+                text, stopped = stops.feed(detok.add(new))
+                if stopped:
+                    stats.finish_reason = "stop"
+                    tokens = self._tokens_before_stop(tokens, detok.text, stop)
+                    times = times[: len(tokens)]
+                yield Chunk(text, new, event)
+                if stopped:
+                    break
+                if cancel is not None and cancel():
+                    stats.finish_reason = "cancelled"
+                    break
+        finally:
+            steps.close()
+        if not stopped:
+            text, _ = stops.feed(detok.flush())
+            tail = text + stops.flush()
+            if tail:
+                yield Chunk(tail)
+        end = time.perf_counter()
+        decode_s = end - t_first if t_first is not None else 0.0
+        full_text = self._final_text(tokens)
+        if stopped:
+            full_text = _cut_at_stop(detok.text, stop)
+        yield Chunk(result=GenerationResult(
+            text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
+            prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
+            finish_reason=stats.finish_reason, cap=cap_label, token_times=times))
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        for chunk in self.stream(prompt, **kwargs):
+            if chunk.result is not None:
+                return chunk.result
+        raise RuntimeError("stream ended without a result")  # unreachable
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None) -> tuple[CapPolicy, int | str]:
+        if drafter is None:
+            return FixedCap(0), 0
+        if max_draft is None:
+            cap = self.default_cap(mode, drafter)
+            return FixedCap(cap), cap
+        if max_draft == "auto":
+            from engine import modes
+
+            return modes.auto_cap_policy(self, mode, drafter), "auto"
+        cap = int(max_draft)
+        if cap < 0:
+            raise TandemError(f"max-draft must be >= 0 or 'auto', got {max_draft}")
+        if cap == 0:  # 0 means "the drafter's full block" (DFlash convention)
+            cap = drafter.max_draft
+        return FixedCap(cap), cap
+
+    def _final_text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False) if tokens else ""
+
+    def _tokens_before_stop(self, tokens: list[int], text: str, stop: Sequence[str]) -> list[int]:
+        """Keep the tokens up to and including the one that completed the stop string."""
+        cut = len(_cut_at_stop(text, stop))
+        for n in range(1, len(tokens) + 1):
+            if len(self.tokenizer.decode(tokens[:n], skip_special_tokens=False)) > cut:
+                return tokens[:n]
+        return tokens
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    hits = [text.find(s) for s in stop if s and s in text]
+    return text[: min(hits)] if hits else text

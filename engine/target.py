@@ -1,0 +1,226 @@
+"""The target model wrapper: logits for chosen rows, a hidden-state tap, KV rollback.
+
+mlx-lm models return logits only. DSpark and DFlash drafters read the residual stream after a
+few decoder layers ("tap layers"), so the wrapper swaps those layers for thin proxies that keep
+their output. The model's own forward still runs, so the tapped logits are the model's logits
+by construction; the load-time probe proves it anyway (and catches a model whose forward does
+something the proxy breaks) and refuses the tap otherwise.
+
+The forward is split into trunk (``model.model``: embeddings, layers, final norm) and head
+(``lm_head`` or the tied embedding), so prefill and plain steps apply the head to the rows that
+matter only. The split is probed as well; when it does not reproduce the model's logits the
+wrapper falls back to the full model call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from engine.errors import TandemError
+
+PROBE_TOLERANCE = 1e-3
+PREFILL_CHUNK = 512
+
+
+class _TapSink:
+    """Where the tap proxies leave their layer outputs during one forward."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.outputs: dict[int, mx.array] = {}
+
+
+class TapLayer(nn.Module):
+    """Runs the wrapped decoder layer unchanged and records its output when enabled."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: _TapSink):
+        super().__init__()
+        self.layer = layer
+        self.tap_index = index
+        self.sink = sink
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.layer(*args, **kwargs)
+        if self.sink.enabled:
+            self.sink.outputs[self.tap_index] = out
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # Models read per-layer attributes (use_sliding, layer_type, ...) through the list.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("layer"), name)
+
+
+def _trunk(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        lm = getattr(model, "language_model", None)
+        inner = getattr(lm, "model", None)
+    if inner is None or not hasattr(inner, "layers"):
+        raise TandemError(f"{type(model).__module__}: no decoder layer list found; this architecture is not supported")
+    return inner
+
+
+class Target:
+    """A loaded mlx-lm model with the calls the verify loop needs."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str = "target"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.trunk = _trunk(model)
+        self.layers = self.trunk.layers
+        self.num_layers = len(self.layers)
+        self.tap_layers: tuple[int, ...] = ()
+        self._sink = _TapSink()
+        self.forwards = 0  # target forward passes, for telemetry
+        probe = self._probe_ids()
+        reference = self._full_logits(probe)
+        self._split = False
+        try:
+            self._split = _close(self._split_logits(probe), reference)
+        except Exception:  # a model whose trunk has a different signature: use the full call
+            self._split = False
+        self.hidden_size = int(self.trunk.embed_tokens.weight.shape[-1]) if hasattr(self.trunk, "embed_tokens") else 0
+        self.vocab_size = int(reference.shape[-1])
+
+    # -- construction helpers -------------------------------------------------------------
+    def _probe_ids(self) -> mx.array:
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", 32) or 32
+        return mx.array([[1 % vocab, 7 % vocab, 3 % vocab, 11 % vocab]])
+
+    def _full_logits(self, ids: mx.array) -> mx.array:
+        out = self.model(ids, cache=make_prompt_cache(self.model))
+        mx.eval(out)
+        return out
+
+    def _split_logits(self, ids: mx.array) -> mx.array:
+        out = self.head(self.trunk(ids, make_prompt_cache(self.model)))
+        mx.eval(out)
+        return out
+
+    def head(self, h: mx.array) -> mx.array:
+        if getattr(self.model, "lm_head", None) is not None and not getattr(
+            getattr(self.model, "args", None), "tie_word_embeddings", False
+        ):
+            return self.model.lm_head(h)
+        return self.trunk.embed_tokens.as_linear(h)
+
+    def set_taps(self, layer_ids: Sequence[int]) -> None:
+        """Tap the outputs of these decoder layers (0-based; the final layer is refused
+        because DSpark/DFlash train on pre-norm residuals). Probed before use."""
+        layer_ids = tuple(int(i) for i in layer_ids)
+        if layer_ids == self.tap_layers:
+            return
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers - 1]
+        if bad:
+            raise TandemError(
+                f"tap layer ids {bad} out of range for {self.name}: it has {self.num_layers} layers "
+                f"and the last one ({self.num_layers - 1}) cannot be tapped"
+            )
+        self.clear_taps()
+        probe = self._probe_ids()
+        reference = self._full_logits(probe)
+        for i in layer_ids:
+            self.layers[i] = TapLayer(self.layers[i], i, self._sink)
+        self.tap_layers = layer_ids
+        try:
+            verify_tap(self, probe, reference)
+        except TandemError:
+            self.clear_taps()
+            raise
+
+    def clear_taps(self) -> None:
+        for i in self.tap_layers:
+            layer = self.layers[i]
+            if isinstance(layer, TapLayer):
+                self.layers[i] = layer.layer
+        self.tap_layers = ()
+
+    # -- the calls the loop makes -------------------------------------------------------------
+    def new_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    @property
+    def can_rollback(self) -> bool:
+        return can_trim_prompt_cache(self.new_cache())
+
+    def forward(
+        self, ids: mx.array, cache: list, *, last_only: bool = False, tap: bool = False
+    ) -> tuple[mx.array, mx.array | None]:
+        """One target forward over ``ids`` [1, L] appended to ``cache``.
+
+        Returns lazy (logits [L, V] or [1, V] when last_only, hidden [L, n_taps * H] or None).
+        """
+        self.forwards += 1
+        self._sink.enabled = tap and bool(self.tap_layers)
+        self._sink.outputs = {}
+        try:
+            if self._split:
+                h = self.trunk(ids, cache)
+                logits = self.head(h[:, -1:] if last_only else h)
+            else:
+                logits = self.model(ids, cache=cache)
+                if last_only:
+                    logits = logits[:, -1:]
+            hidden = None
+            if self._sink.enabled:
+                hidden = mx.concatenate([self._sink.outputs[i] for i in self.tap_layers], axis=-1)[0]
+        finally:
+            self._sink.enabled = False
+            self._sink.outputs = {}
+        return logits[0], hidden
+
+    def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
+                progress: Any = None) -> tuple[mx.array, mx.array | None]:
+        """Run the prompt through the target in chunks (bounded memory). Returns the last
+        row's logits [V] and, when tapping, hidden states for every prompt row."""
+        ids = list(ids)
+        hiddens = []
+        logits = None
+        for start in range(0, len(ids), chunk):
+            part = mx.array([ids[start : start + chunk]])
+            logits, hidden = self.forward(part, cache, last_only=True, tap=tap)
+            if hidden is not None:
+                hiddens.append(hidden)
+            mx.eval(logits, *(c.state for c in cache if hasattr(c, "state")), *(hiddens[-1:] if hiddens else []))
+            if progress is not None:
+                progress(min(start + chunk, len(ids)), len(ids))
+        hidden = mx.concatenate(hiddens, axis=0) if hiddens else None
+        return logits[-1], hidden
+
+    @staticmethod
+    def rollback(cache: list, n: int) -> None:
+        """Drop the last n rows (rejected drafts) from every layer's cache."""
+        if n > 0:
+            trim_prompt_cache(cache, n)
+
+
+def verify_tap(target: Target, probe: mx.array, reference: mx.array) -> None:
+    """Refuse a tap whose forward does not reproduce the model's own logits, or whose
+    captured rows are not [L, H] per tapped layer."""
+    logits, hidden = target.forward(probe, target.new_cache(), tap=True)
+    target.forwards -= 1  # probes are not generation work
+    mx.eval(logits, hidden)
+    if not _close(logits[None], reference):
+        diff = mx.abs(logits[None] - reference).max().item()
+        raise TandemError(f"hidden-state tap refused for {target.name}: tapped logits differ from the model's by {diff:.3g}")
+    want = (probe.shape[1], len(target.tap_layers) * target.hidden_size)
+    if hidden is None or tuple(hidden.shape) != want:
+        got = None if hidden is None else tuple(hidden.shape)
+        raise TandemError(f"hidden-state tap refused for {target.name}: captured shape {got}, expected {want}")
+    if not mx.all(mx.isfinite(hidden)).item():
+        raise TandemError(f"hidden-state tap refused for {target.name}: captured states are not finite")
+
+
+def _close(a: mx.array, b: mx.array) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = max(1.0, mx.abs(b).max().item())
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() <= PROBE_TOLERANCE * scale

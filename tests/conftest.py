@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny random targets built in the test (mlx-lm model classes) with a
+tokenizer made on the spot, so nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any QApplication exists
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
+import pytest  # noqa: E402
+
+from tests.tiny import make_tiny_engine, make_tiny_model, make_tokenizer  # noqa: E402,F401
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return make_tiny_engine("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3():
+    return make_tiny_engine("qwen3", seed=1)
