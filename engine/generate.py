@@ -108,6 +108,8 @@ class Engine:
         self._drafters: dict[tuple, Drafter] = {}
         self.drafter_path: str | None = None  # DSpark/DFlash checkpoint chosen by the user
         self.draft_model_spec: str | None = None
+        self.drafter_bits: int | None = None  # None: 4-bit on Metal/CUDA, float32 on the CPU backend
+        self.confidence_threshold: float | None = None
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:

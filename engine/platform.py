@@ -1,5 +1,205 @@
-"""Placeholder; replaced by the loader/doctor work (BLAS preload, backend facts)."""
+"""Platform facts: BLAS preload, MLX backend, device name, memory.
+
+``preload_blas`` must stay cheap and must not import MLX: ``engine/__init__`` calls it before
+anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
+OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
+(dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+# System OpenBLAS (Debian/Ubuntu `libopenblas0-pthread`, then Fedora-style lib64).
+SYSTEM_OPENBLAS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib64/libopenblasp.so.0",
+    "/usr/lib64/libopenblas.so.0",
+)
+# pip-only fallback: opencv-python bundles an OpenBLAS with plain `cblas_sgemm`. numpy's and
+# scipy's bundled copies use prefixed symbols and do NOT work.
+OPENCV_OPENBLAS_GLOB = "opencv_python.libs/libopenblasp-r0-*.so*"
 
 
-def preload_blas() -> None:
-    return None
+@dataclass(frozen=True)
+class BlasStatus:
+    """What ``preload_blas`` did. ``state`` is one of: preloaded, already-mapped, late,
+    not-found, disabled, failed, not-linux."""
+
+    state: str
+    path: Optional[str]
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("preloaded", "already-mapped")
+
+
+_BLAS_STATUS: Optional[BlasStatus] = None
+_BLAS_HANDLE: Optional[ctypes.CDLL] = None  # keep the library referenced for the process life
+
+
+def _openblas_candidates() -> list[str]:
+    found = [p for p in SYSTEM_OPENBLAS if os.path.exists(p)]
+    for entry in sys.path:
+        if entry and os.path.isdir(entry):
+            found += sorted(glob.glob(os.path.join(entry, OPENCV_OPENBLAS_GLOB)))
+    return found
+
+
+def mapped_blas_libraries() -> list[str]:
+    """Shared libraries with 'blas' in their name mapped into this process (Linux only)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "blas" in line.lower() and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def preload_blas() -> BlasStatus:
+    """Load OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is imported (Linux only).
+
+    Idempotent; the result is remembered for ``blas_status()`` and ``tandem doctor``.
+    ``TANDEM_NO_OPENBLAS=1`` disables it.
+    """
+    global _BLAS_STATUS, _BLAS_HANDLE
+    if _BLAS_STATUS is not None:
+        return _BLAS_STATUS
+    _BLAS_STATUS = _preload_blas()
+    return _BLAS_STATUS
+
+
+def _preload_blas() -> BlasStatus:
+    global _BLAS_HANDLE
+    if not sys.platform.startswith("linux"):
+        return BlasStatus("not-linux", None, f"not needed on {sys.platform} (Accelerate/Metal)")
+    if os.environ.get("TANDEM_NO_OPENBLAS", "").strip() not in ("", "0"):
+        return BlasStatus("disabled", None, "TANDEM_NO_OPENBLAS is set")
+    mapped = [p for p in mapped_blas_libraries() if "openblas" in os.path.basename(p).lower()]
+    if mapped:  # LD_PRELOAD or an earlier load already put it in the global scope
+        return BlasStatus("already-mapped", mapped[0], "OpenBLAS was already loaded (LD_PRELOAD?)")
+    late = "mlx.core" in sys.modules
+    candidates = _openblas_candidates()
+    if not candidates:
+        return BlasStatus(
+            "not-found",
+            None,
+            "no OpenBLAS found; MLX uses its reference BLAS (apt-get install libopenblas0-pthread)",
+        )
+    errors = []
+    for path in candidates:
+        try:
+            _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        if late:
+            # Loaded anyway (lazy binding may still pick it up), but nothing guarantees it.
+            return BlasStatus(
+                "late",
+                path,
+                "mlx.core was imported before engine; MLX may still use its reference BLAS "
+                "(import engine first or set LD_PRELOAD)",
+            )
+        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core")
+    return BlasStatus("failed", None, "; ".join(errors))
+
+
+def blas_status() -> BlasStatus:
+    """The remembered preload result (runs the preload if nobody did yet)."""
+    return preload_blas()
+
+
+@lru_cache(maxsize=1)
+def backend() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: where MLX runs by default."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def prefers_dense_float32() -> bool:
+    """True on the CPU backend: MLX's CPU quantized matmul runs at ~3 GFLOP/s, single-threaded,
+    linear in the number of tokens, and fp16 is slower still, so dense float32 (BLAS sgemm)
+    wins by far. On Metal/CUDA quantized weights are fast and save memory."""
+    return backend() == "cpu"
+
+
+def _cpu_name() -> str:
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True, text=True, timeout=5,
+            )
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Model") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    import platform as _stdlib_platform
+
+    return _stdlib_platform.processor() or _stdlib_platform.machine() or "unknown CPU"
+
+
+def _mx_device_info() -> dict:
+    import mlx.core as mx
+
+    for fn in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+        if fn is None:
+            continue
+        try:
+            return dict(fn())
+        except Exception:  # older MLX or no such device
+            continue
+    return {}
+
+
+def device_name() -> str:
+    """CPU model (with core count) on the CPU backend; the GPU name on Metal/CUDA."""
+    if backend() == "cpu":
+        return f"{_cpu_name()} ({os.cpu_count()} cores)"
+    name = _mx_device_info().get("device_name")
+    return str(name) if name else backend()
+
+
+def memory_bytes() -> int:
+    """Physical memory usable by this process: RAM, capped by a cgroup limit if any."""
+    total = 0
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    if not total:
+        info = _mx_device_info()
+        total = int(info.get("memory_size") or info.get("total_memory") or 0)
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and 0 < int(limit) < total:
+            total = int(limit)
+    return total

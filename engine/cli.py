@@ -1,0 +1,62 @@
+"""The ``tandem`` command. Each subcommand lives with its feature: a module that exposes
+``add_arguments(parser)`` and ``run(args) -> int``. Errors a user can fix print one line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import engine  # noqa: F401  (preloads OpenBLAS before mlx.core is imported anywhere)
+from engine.errors import TandemError
+
+# subcommand -> (module, help)
+COMMANDS = {
+    "generate": ("engine.cli_generate", "generate text from a prompt (streamed) with speculative decoding"),
+    "doctor": ("engine.doctor", "report the backend, BLAS, dtype policy and models in use, and why"),
+    "models": ("engine.registry", "list built-in models and the target -> drafter registry"),
+    "calibrate": ("engine.calibrate", "measure this machine's verify/draft cost curves and pick the draft cap"),
+    "benchmark": ("engine.benchmark", "compare modes on chat/code/math prompts: tok/s, acceptance, losslessness"),
+    "serve": ("engine.server", "serve OpenAI and Anthropic compatible APIs on one local port"),
+    "claude": ("engine.claude", "launch Claude Code against a running tandem server"),
+    "train-drafter": ("engine.train", "train a DSpark drafter for a target on this machine"),
+    "app": ("engine.cli_app", "open the desktop app"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding on MLX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            p.set_defaults(_missing=True)
+            continue
+        mod.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"tandem: '{args.command}' is not available in this installation", file=sys.stderr)
+        return 2
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except TandemError as err:
+        print(f"tandem: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ntandem: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
