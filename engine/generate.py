@@ -148,6 +148,10 @@ class Engine:
             self._drafters[key] = modes.make_drafter(self, mode)
         return self._drafters[key]
 
+    def set_drafter(self, mode: str, drafter: Drafter | None) -> None:
+        """Use this drafter instance for ``mode`` (a custom or pre-built drafter)."""
+        self._drafters[(mode, self.drafter_path, self.draft_model_spec)] = drafter
+
     def default_cap(self, mode: str, drafter: Drafter | None) -> int:
         from engine import modes
 
