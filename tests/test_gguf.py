@@ -195,19 +195,22 @@ def tandem_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tandem-cache")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cache(tandem_cache, monkeypatch):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tandem_cache))
+@pytest.fixture(scope="module", autouse=True)
+def isolated_cache(tandem_cache):
+    """Never touch the user's cache; module scope so module fixtures see it too."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TANDEM_CACHE_DIR", str(tandem_cache))
+        yield tandem_cache
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> tuple[Path, dict]:
+def tiny_llama_gguf(tmp_path_factory) -> tuple[Path, dict]:
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     return path, write_tiny_gguf(path, "llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> tuple[Path, dict]:
+def tiny_qwen2_gguf(tmp_path_factory) -> tuple[Path, dict]:
     path = tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf"
     return path, write_tiny_gguf(path, "qwen2")
 
@@ -241,10 +244,10 @@ def test_tensor_name_map():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_conversion_round_trips_weights_and_config(arch, tiny_llama, tiny_qwen2):
+def test_conversion_round_trips_weights_and_config(arch, tiny_llama_gguf, tiny_qwen2_gguf):
     from safetensors.numpy import load_file
 
-    path, weights = tiny_llama if arch == "llama" else tiny_qwen2
+    path, weights = tiny_llama_gguf if arch == "llama" else tiny_qwen2_gguf
     folder = eg.ensure_converted(path)
     stored = load_file(folder / "model.safetensors")
     assert set(stored) == set(weights)
@@ -263,11 +266,11 @@ def test_conversion_round_trips_weights_and_config(arch, tiny_llama, tiny_qwen2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_mlx_lm_load_gives_reference_logits(arch, tiny_llama, tiny_qwen2):
+def test_mlx_lm_load_gives_reference_logits(arch, tiny_llama_gguf, tiny_qwen2_gguf):
     import mlx.core as mx
     from mlx_lm.utils import load
 
-    path, weights = tiny_llama if arch == "llama" else tiny_qwen2
+    path, weights = tiny_llama_gguf if arch == "llama" else tiny_qwen2_gguf
     model, tokenizer = load(str(eg.ensure_converted(path)))
     ids = tokenizer.encode("the low lo is a test 42", add_special_tokens=False)
     assert len(ids) > 8
@@ -276,9 +279,9 @@ def test_mlx_lm_load_gives_reference_logits(arch, tiny_llama, tiny_qwen2):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_forgetting_the_unpermute_would_change_logits(tiny_llama):
+def test_forgetting_the_unpermute_would_change_logits(tiny_llama_gguf):
     """Guards the test above: with permuted Q/K the logits must differ (the bug is silent)."""
-    _, weights = tiny_llama
+    _, weights = tiny_llama_gguf
     bad = dict(weights)
     for k in bad:
         if ".q_proj." in k:
@@ -289,19 +292,19 @@ def test_forgetting_the_unpermute_would_change_logits(tiny_llama):
     assert not np.allclose(reference_logits("llama", bad, ids), reference_logits("llama", weights, ids), atol=1e-3)
 
 
-def test_tokenizer_matches_gguf_vocabulary(tiny_llama, tiny_qwen2):
+def test_tokenizer_matches_gguf_vocabulary(tiny_llama_gguf, tiny_qwen2_gguf):
     from tokenizers import Tokenizer
 
     tokens, _, _ = tiny_vocab(("<tool_call>",))
     vocab = {t: i for i, t in enumerate(tokens)}
-    smol = Tokenizer.from_file(str(eg.ensure_converted(tiny_llama[0]) / "tokenizer.json"))
+    smol = Tokenizer.from_file(str(eg.ensure_converted(tiny_llama_gguf[0]) / "tokenizer.json"))
     assert smol.encode("<|im_start|>hi<|im_end|>").ids == [1, vocab["h"], vocab["i"], 2]
     # smollm pre-tokenizer: every digit is its own pre-token.
     assert smol.encode("2024").ids == [vocab[c] for c in "2024"]
     assert smol.encode(" the low").ids == [vocab["Ġthe"], vocab["Ġ"], vocab["low"]]
     assert smol.decode(smol.encode(" the low 42!").ids) == " the low 42!"
 
-    qwen = Tokenizer.from_file(str(eg.ensure_converted(tiny_qwen2[0]) / "tokenizer.json"))
+    qwen = Tokenizer.from_file(str(eg.ensure_converted(tiny_qwen2_gguf[0]) / "tokenizer.json"))
     assert qwen.encode("<tool_call>").ids == [vocab["<tool_call>"]]
     assert qwen.encode("<|endoftext|>").ids == [0]
     added = {t.content: t.special for t in qwen.get_added_tokens_decoder().values()}
@@ -309,15 +312,15 @@ def test_tokenizer_matches_gguf_vocabulary(tiny_llama, tiny_qwen2):
     assert qwen.decode(qwen.encode("x <tool_call> 12").ids, skip_special_tokens=False) == "x <tool_call> 12"
 
 
-def test_second_conversion_hits_cache(tiny_llama, monkeypatch):
-    folder = eg.ensure_converted(tiny_llama[0])
+def test_second_conversion_hits_cache(tiny_llama_gguf, monkeypatch):
+    folder = eg.ensure_converted(tiny_llama_gguf[0])
 
     def boom(*a, **k):
         raise AssertionError("converted again")
 
     monkeypatch.setattr(eg, "convert_gguf", boom)
     start = time.perf_counter()
-    assert eg.ensure_converted(tiny_llama[0]) == folder
+    assert eg.ensure_converted(tiny_llama_gguf[0]) == folder
     assert time.perf_counter() - start < 0.1
     assert folder.parent == eg.converted_root() and folder.name.startswith("tiny-llama-")
 
@@ -346,8 +349,8 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("keep", ["header", "data"])
-def test_truncated_gguf_raises_one_line(tiny_llama, tmp_path, keep):
-    data = tiny_llama[0].read_bytes()
+def test_truncated_gguf_raises_one_line(tiny_llama_gguf, tmp_path, keep):
+    data = tiny_llama_gguf[0].read_bytes()
     bad = tmp_path / f"truncated-{keep}.gguf"
     bad.write_bytes(data[:200] if keep == "header" else data[:-100])
     with pytest.raises(TandemError) as e:
@@ -388,8 +391,8 @@ def test_unknown_pre_tokenizer_raises(tmp_path):
     one_line_error(e, "unsupported tokenizer pre-tokenizer 'mystery-pre'")
 
 
-def test_split_parts_are_assembled_and_size_checked(tiny_qwen2, tmp_path):
-    data = tiny_qwen2[0].read_bytes()
+def test_split_parts_are_assembled_and_size_checked(tiny_qwen2_gguf, tmp_path):
+    data = tiny_qwen2_gguf[0].read_bytes()
     cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
     parts = []
     for i in range(3):
@@ -398,7 +401,7 @@ def test_split_parts_are_assembled_and_size_checked(tiny_qwen2, tmp_path):
         parts.append(p)
     folder = eg.ensure_converted(parts, name="tiny-split", expected_size=len(data))
     assert folder.name.startswith("tiny-split-")
-    assert (folder / "model.safetensors").read_bytes() == (eg.ensure_converted(tiny_qwen2[0]) / "model.safetensors").read_bytes()
+    assert (folder / "model.safetensors").read_bytes() == (eg.ensure_converted(tiny_qwen2_gguf[0]) / "model.safetensors").read_bytes()
     assert not list(folder.parent.glob("**/assembled.gguf"))  # the assembled copy is not kept
 
     with pytest.raises(TandemError) as e:
