@@ -13,7 +13,7 @@ from engine.errors import TandemError
 # subcommand -> (module, help)
 COMMANDS = {
     "generate": ("engine.cli_generate", "generate text from a prompt (streamed) with speculative decoding"),
-    "doctor": ("engine.doctor", "report the backend, BLAS, dtype policy and models in use, and why"),
+    "doctor": ("engine.cli_doctor", "report the backend, BLAS, dtype policy and models in use, and why"),
     "models": ("engine.registry", "list built-in models and the target -> drafter registry"),
     "calibrate": ("engine.calibrate", "measure this machine's verify/draft cost curves and pick the draft cap"),
     "benchmark": ("engine.benchmark", "compare modes on chat/code/math prompts: tok/s, acceptance, losslessness"),
@@ -24,23 +24,30 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported (start-up stays fast)."""
     parser = argparse.ArgumentParser(prog="tandem", description="Lossless speculative decoding on MLX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        if name != command:
+            continue
         try:
             mod = importlib.import_module(module)
-        except ImportError:
-            p.set_defaults(_missing=True)
-            continue
+        except ImportError as err:
+            if err.name and (err.name == module or module.startswith(err.name + ".")):
+                p.set_defaults(_missing=True)
+                continue
+            raise
         mod.add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

