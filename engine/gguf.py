@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.errors import TandemError
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # bump when the output changes: old cache entries are then ignored
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 PathLike = Union[str, os.PathLike]
 
@@ -272,14 +272,23 @@ def hf_config(meta: dict, reader, path: PathLike = "") -> dict:
     for key in ("bos", "eos", "padding"):
         if (tid := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
             config[f"{'pad' if key == 'padding' else key}_token_id"] = int(tid)
-    eos = [config["eos_token_id"]] if "eos_token_id" in config else []
-    for extra in ("eot", "eom"):  # generation must also stop at end-of-turn tokens
-        tid = meta.get(f"tokenizer.ggml.{extra}_token_id")
-        if tid is not None and int(tid) not in eos:
-            eos.append(int(tid))
+    eos = _stop_token_ids(meta)
     if len(eos) > 1:
         config["eos_token_id"] = eos
     return config
+
+
+# Control tokens that llama.cpp treats as end-of-generation by their text (llama-vocab.cpp).
+_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>"}
+
+
+def _stop_token_ids(meta: dict) -> list[int]:
+    """eos first, then eot/eom, then control tokens llama.cpp also stops at (e.g. Qwen's
+    <|endoftext|> next to <|im_end|>, as in HF's generation_config)."""
+    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom") if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+    ids += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == TOKEN_CONTROL and t in _EOG_TEXTS]
+    return list(dict.fromkeys(ids))
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -373,8 +382,11 @@ def tokenizer_configs(meta: dict, context_length: int) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- conversion
 
 
-def convert_gguf(gguf_path: PathLike, out_dir: PathLike) -> Path:
-    """Convert one GGUF file into an mlx-lm folder at ``out_dir`` (created; not atomic)."""
+def convert_gguf(gguf_path: PathLike, out_dir: PathLike, *, sources: Optional[list[str]] = None) -> Path:
+    """Convert one GGUF file into an mlx-lm folder at ``out_dir`` (created; not atomic).
+
+    ``sources`` names the original files in tandem.json when ``gguf_path`` is an assembled copy.
+    """
     from safetensors.numpy import save_file
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -398,7 +410,7 @@ def convert_gguf(gguf_path: PathLike, out_dir: PathLike) -> Path:
         out_dir / "tandem.json",
         {
             "converter_version": CONVERTER_VERSION,
-            "source": str(gguf_path),
+            "sources": sources or [str(gguf_path.resolve())],
             "name": meta.get("general.name") or gguf_path.stem,
             "gguf_file_type": meta.get("general.file_type"),
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -490,6 +502,8 @@ def ensure_converted(
     interrupted run never leaves a half folder; a second call returns at once.
     """
     target = converted_path(source, name)
+    files = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    sources = [str(Path(p).resolve()) for p in files]
     if is_converted(target):
         return target
     if target.exists():  # damaged by hand; rebuild
@@ -501,7 +515,7 @@ def ensure_converted(
             gguf_file = Path(source)
         else:  # assembled only for the conversion; the parts stay the source of truth
             gguf_file = assemble_parts(source, work / "assembled.gguf", expected_size)
-        out = convert_gguf(gguf_file, work / "model")
+        out = convert_gguf(gguf_file, work / "model", sources=sources)
         if gguf_file.parent == work:
             gguf_file.unlink()
         try:
@@ -511,4 +525,18 @@ def ensure_converted(
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _prune_stale(target, sources)
     return target
+
+
+def _prune_stale(target: Path, sources: list[str]) -> None:
+    """Delete older conversions of the same source files (changed file, older converter)."""
+    for old in target.parent.glob(f"{target.name.rsplit('-', 1)[0]}-*"):
+        if old == target or old.name.startswith(".") or not old.is_dir():
+            continue
+        try:
+            same = json.loads((old / "tandem.json").read_text()).get("sources") == sources
+        except (OSError, ValueError):
+            continue
+        if same:
+            shutil.rmtree(old, ignore_errors=True)

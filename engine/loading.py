@@ -197,10 +197,18 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
     _read_config(folder)
     _check_weights(folder)
 
+    import mlx.core as mx
     from mlx_lm.utils import load
 
+    if dense is None:
+        dense = platform.prefers_dense_float32()
     try:
-        model, tokenizer, config = load(str(folder), return_config=True)
+        # lazy: a float16 file is cast straight to float32, never held twice in memory
+        model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
+        if dense:
+            make_dense_float32(model)
+        else:
+            mx.eval(model.parameters())
     except ValueError as e:
         msg = _first_line(e)
         if m := re.match(r"Model type (\S+) not supported", msg):
@@ -209,10 +217,8 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
     except Exception as e:  # mlx / tokenizer errors
         raise TandemError(f"{folder}: cannot load model ({type(e).__name__}: {_first_line(e)})") from None
 
-    if dense is None:
-        dense = platform.prefers_dense_float32()
-    if dense:
-        make_dense_float32(model)
+    if dense:  # the config now describes the dense model that was actually built
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.eval()
     return LoadedModel(
         model=model,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -258,7 +259,7 @@ def test_conversion_round_trips_weights_and_config(arch, tiny_llama_gguf, tiny_q
     config = json.loads((folder / "config.json").read_text())
     expected = reference_config(arch, weights["model.embed_tokens.weight"].shape[0])
     assert {k: config[k] for k in expected} == pytest.approx(expected)
-    assert config["eos_token_id"] == 2 and config["bos_token_id"] == 1
+    assert config["eos_token_id"] == [2, 0] and config["bos_token_id"] == 1  # <|im_end|>, then <|endoftext|>
     tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"] == CHAT_TEMPLATE
     assert (tok_cfg["bos_token"], tok_cfg["eos_token"], tok_cfg["add_bos_token"]) == ("<|im_start|>", "<|im_end|>", False)
@@ -329,8 +330,13 @@ def test_changed_source_gets_a_new_cache_entry(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama", seed=1)
     first = eg.ensure_converted(path)
+    mtime = path.stat().st_mtime_ns
     write_tiny_gguf(path, "llama", seed=2)
-    assert eg.ensure_converted(path) != first
+    os.utime(path, ns=(mtime + 10**9, mtime + 10**9))  # same size; coarse clocks could repeat mtime
+    second = eg.ensure_converted(path)
+    assert second != first and eg.is_converted(second)
+    assert not first.exists()  # the stale conversion of the same file is pruned
+    assert json.loads((second / "tandem.json").read_text())["sources"] == [str(path.resolve())]
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):

@@ -285,5 +285,5 @@ def test_starter_tokenizer_matches_gguf_vocabulary(starter_model):
     assert enc("2024") == [vocab[c] for c in "2024"]  # smollm: digits split individually
     assert enc("Hello world") == [vocab["Hello"], vocab["Ġworld"]]
     assert enc("<|im_start|>user\nHi<|im_end|>")[0] == 1
-    assert tok.eos_token_id == 2 and 2 in tok.eos_token_ids
+    assert tok.eos_token_id == 2 and tok.eos_token_ids == {2, 0}  # <|im_end|>, <|endoftext|>
     assert tok.decode(enc("Tandem: 3.14 ünïcödé 🙂")) == "Tandem: 3.14 ünïcödé 🙂"
