@@ -535,7 +535,8 @@ def _prune_stale(target: Path, sources: list[str]) -> None:
         if old == target or old.name.startswith(".") or not old.is_dir():
             continue
         try:
-            same = json.loads((old / "tandem.json").read_text()).get("sources") == sources
+            info = json.loads((old / "tandem.json").read_text())
+            same = (info.get("sources") or [info.get("source")]) == sources  # v1 wrote "source"
         except (OSError, ValueError):
             continue
         if same:

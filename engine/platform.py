@@ -107,7 +107,7 @@ def _preload_blas() -> BlasStatus:
             return BlasStatus(
                 "late",
                 path,
-                "mlx.core was imported before engine; MLX may still use its reference BLAS "
+                "mlx.core was imported before engine, so MLX most likely keeps its reference BLAS "
                 "(import engine first or set LD_PRELOAD)",
             )
         return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core")

@@ -44,9 +44,10 @@ PROBE = """
     mlx_after_preload = "mlx.core" in sys.modules
     import mlx.core as mx
     a = mx.random.normal((32, 576)); b = mx.random.normal((1536, 576)); mx.eval(a @ b.T)
-    t = time.perf_counter()
-    for _ in range(5): mx.eval(a @ b.T)
-    ms = (time.perf_counter() - t) / 5 * 1e3
+    times = []
+    for _ in range(5):
+        t = time.perf_counter(); mx.eval(a @ b.T); times.append(time.perf_counter() - t)
+    ms = min(times) * 1e3
     print(json.dumps(dict(state=st.state, path=st.path, reason=st.reason, elapsed=elapsed, ms=ms,
                           mlx_after_preload=mlx_after_preload, mapped=platform.mapped_blas_libraries())))
 """
@@ -60,7 +61,7 @@ def test_preload_maps_openblas_before_mlx_and_is_cheap():
     assert r["elapsed"] < 0.5
     assert any("openblas" in os.path.basename(p) for p in r["mapped"])
     # The real proof: MLX's sgemm is fast (reference BLAS takes ~14 ms for this shape).
-    assert r["ms"] < 4, r
+    assert r["ms"] < 5, r
 
 
 @pytest.mark.skipif(not LINUX, reason="Linux only")
@@ -68,6 +69,7 @@ def test_preload_can_be_disabled():
     r = run_py(PROBE.format(before=""), TANDEM_NO_OPENBLAS="1")
     assert r["state"] == "disabled" and r["path"] is None
     assert not any("openblas" in os.path.basename(p) for p in r["mapped"])
+    assert r["ms"] > 3, r  # the reference BLAS (~14 ms): the preload is what makes the difference
 
 
 @pytest.mark.skipif(not HAS_OPENBLAS, reason="system OpenBLAS not installed")
@@ -82,7 +84,7 @@ def test_ld_preload_is_recognised():
         pytest.skip("system OpenBLAS not installed")
     lib = next(p for p in platform.SYSTEM_OPENBLAS if os.path.exists(p))
     r = run_py(PROBE.format(before=""), LD_PRELOAD=lib)
-    assert r["state"] == "already-mapped" and r["ms"] < 4
+    assert r["state"] == "already-mapped" and r["ms"] < 5
 
 
 def test_preload_is_idempotent_and_remembered():
