@@ -1,0 +1,422 @@
+"""Chat prompts in, structured replies out: the model-side half of the API server.
+
+Both API dialects turn their requests into one canonical message list (the Hugging Face chat
+format: ``{"role", "content": str, "tool_calls": [{"id", "type": "function", "function":
+{"name", "arguments": dict}}], "tool_call_id", "name"}``) and their tools into OpenAI
+function specs. ``render_chat`` renders that with the model's own chat template:
+
+* A template that knows tools (it mentions ``tools``; Qwen2.5/Qwen3/Hermes/Llama-3.1 do) gets
+  ``tools=`` and the tool turns as they are, so the model sees its native tool syntax.
+* A template that does not (SmolLM2's) gets the tools written into the system message in the
+  Hermes/Qwen wording below (``<tools>`` JSON lines and a ``<tool_call>{json}</tool_call>``
+  instruction), earlier tool calls written back as such blocks, and tool results as user turns
+  wrapped in ``<tool_response>``. The model's reply is parsed the same way either way.
+* A tokenizer with no template at all (a base model, the tests' tiny tokenizer) gets ChatML
+  text (``<|im_start|>role\\ncontent<|im_end|>``) with the same tool rendering.
+
+``OutputParser`` splits the streamed reply into text, reasoning (``<think>...</think>``, also when
+the template opened the block in the generation prompt) and tool calls (``<tool_call>{json}
+</tool_call>``; with tools on, a reply that is just a JSON object naming a known tool also
+counts, since small models often drop the tags). It holds back a tail that might be the start
+of a tag, so a tag split across stream chunks is still found.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from engine.errors import TandemError
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+TOOLS_SYSTEM_PROMPT = (
+    "# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
+    "</tool_call>"
+)
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+# -- rendering ---------------------------------------------------------------------------------
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: transformers picks "tool_use" when tools are given
+        return "tool_use" in template or any("tools" in str(t) for t in template.values())
+    return bool(template) and "tools" in template
+
+
+def tools_system_text(tools: Sequence[dict]) -> str:
+    return TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def _tool_call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    return f"{TOOL_OPEN}\n" + json.dumps({"name": fn["name"], "arguments": fn.get("arguments", {})},
+                                         ensure_ascii=False) + f"\n{TOOL_CLOSE}"
+
+
+def tools_as_text(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[dict]:
+    """Plain user/assistant/system turns for a template that has no tool syntax."""
+    out: list[dict] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            parts = [content] if content else []
+            parts += [_tool_call_text(c) for c in m["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(parts)})
+        elif role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1].get("_tool_results"):  # consecutive results share one user turn
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_results": True})
+        else:
+            out.append({"role": role, "content": content})
+    for m in out:
+        m.pop("_tool_results", None)
+    if tools:
+        text = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def chatml(messages: Sequence[dict]) -> str:
+    """The fallback rendering for a tokenizer without a chat template."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) for canonical messages, ending with the assistant's turn."""
+    if not messages:
+        raise TandemError("'messages' is empty: give at least one message")
+    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    template = getattr(tokenizer, "chat_template", None)
+    if template and (template_supports_tools(tokenizer) or not (tools or has_tool_turns)):
+        try:
+            text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                 add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raise_exception(), a template that needs other fields
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise TandemError(f"the model's chat template rejected these messages: {first}") from None
+        # The template writes BOS and other specials itself.
+        return text, list(tokenizer.encode(text, add_special_tokens=False))
+    plain = tools_as_text(messages, tools)
+    if template:
+        return render_chat(tokenizer, plain, None)
+    text = chatml(plain)
+    return text, list(tokenizer.encode(text))
+
+
+def opens_thinking(prompt_text: str) -> bool:
+    """Templates like Qwen3's / DeepSeek-R1's open the reasoning block in the generation prompt."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+def parse_tool_json(text: str, tool_names: Sequence[str] | None = None) -> ToolCall | None:
+    """``{"name": ..., "arguments"|"parameters": {...}}`` -> ToolCall; None if it is not one."""
+    try:
+        obj = json.loads(text.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    if tool_names is not None and obj["name"] not in tool_names:
+        return None
+    return ToolCall(new_id("call_"), obj["name"], args)
+
+
+def _partial_tag(buf: str, tags: Sequence[str]) -> int:
+    """Length of the longest tail of ``buf`` that is a proper prefix of one of ``tags``."""
+    best = 0
+    for tag in tags:
+        for n in range(min(len(tag) - 1, len(buf)), best, -1):
+            if buf.endswith(tag[:n]):
+                best = n
+                break
+    return best
+
+
+Event = tuple[str, Any]  # ("text", str) | ("thinking", str) | ("tool", ToolCall)
+
+
+class OutputParser:
+    """Streaming split of a reply into text, thinking and tool calls (see the module doc)."""
+
+    def __init__(self, *, tool_names: Sequence[str] | None = None, in_think: bool = False):
+        self.tool_names = list(tool_names) if tool_names else None
+        self._state = "think" if in_think else "text"
+        self._buf = ""
+        self._strip = True  # drop whitespace at the start of a text / thinking section
+        self._started = False  # any answer text seen (decides the bare-JSON tool call)
+        self.tool_calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        out: list[Event] = []
+        self._drain(out, final=False)
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        self._drain(out, final=True)
+        return out
+
+    def _emit(self, out: list[Event], kind: str, text: str) -> None:
+        if not text:
+            return
+        if out and out[-1][0] == kind and kind != "tool":
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+
+    def _tags(self) -> tuple[str, ...]:
+        return (THINK_OPEN, TOOL_OPEN) if self.tool_names is not None else (THINK_OPEN,)
+
+    def _drain(self, out: list[Event], final: bool) -> None:
+        while True:
+            buf = self._buf
+            if self._strip and self._state in ("text", "think"):
+                buf = self._buf = buf.lstrip()
+                if not buf:
+                    return
+                self._strip = False
+            if self._state == "think":
+                i = buf.find(THINK_CLOSE)
+                if i >= 0:
+                    self._emit(out, "thinking", buf[:i].rstrip())
+                    self._buf, self._state, self._strip = buf[i + len(THINK_CLOSE):], "text", True
+                    continue
+                keep = 0 if final else _partial_tag(buf, (THINK_CLOSE,))
+                ready = buf[: len(buf) - keep]
+                if not final:  # hold trailing whitespace: it may be all that precedes </think>
+                    ready = ready.rstrip()
+                self._emit(out, "thinking", ready)
+                self._buf = buf[len(ready):]
+                return
+            if self._state == "tool":
+                i = buf.find(TOOL_CLOSE)
+                if i < 0 and not final:
+                    return
+                body = buf[:i] if i >= 0 else buf
+                self._buf = buf[i + len(TOOL_CLOSE):] if i >= 0 else ""
+                self._state, self._strip = "text", True
+                call = parse_tool_json(body)
+                if call is not None:
+                    self.tool_calls.append(call)
+                    out.append(("tool", call))
+                else:  # not a tool call after all: keep every character
+                    self._emit(out, "text", TOOL_OPEN + body + (TOOL_CLOSE if i >= 0 else ""))
+                    self._started, self._strip = True, False
+                if not self._buf:
+                    return
+                continue
+            if self._state == "json":
+                if not final:
+                    return
+                call = parse_tool_json(buf, self.tool_names)
+                if call is not None:
+                    self.tool_calls.append(call)
+                    out.append(("tool", call))
+                else:
+                    self._emit(out, "text", buf)
+                self._buf = ""
+                return
+            # text
+            if not buf:
+                return
+            if not self._started and self.tool_names and buf[0] == "{":
+                self._state = "json"
+                continue
+            hits = [(buf.find(t), t) for t in self._tags() if t in buf]
+            if hits:
+                i, tag = min(hits)
+                self._emit(out, "text", buf[:i] if buf[:i].strip() else "")
+                self._started = self._started or bool(buf[:i].strip())
+                self._buf = buf[i + len(tag):]
+                self._state = "think" if tag == THINK_OPEN else "tool"
+                self._strip = tag == THINK_OPEN
+                continue
+            keep = 0 if final else _partial_tag(buf, self._tags())
+            self._emit(out, "text", buf[: len(buf) - keep])
+            self._started = self._started or keep < len(buf)
+            self._buf = buf[len(buf) - keep:]
+            return
+
+
+# -- the dialect-neutral request and reply -----------------------------------------------------
+
+class RequestError(TandemError):
+    """A bad request: answered with ``status`` and the dialect's error body, never a traceback."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.param, self.status, self.code, self.kind = param, status, code, kind
+
+
+@dataclass
+class GenSpec:
+    """What a request asks for, whichever dialect it came in. ``None`` = the server's default."""
+
+    kind: str  # "chat" or "completion"
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None  # completions
+    tools: list[dict] | None = None  # OpenAI function specs; None = no tools, no tool-call parsing
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+    mode: str | None = None
+    max_draft: int | str | None = None
+    echo: bool = False
+    ignored: list[str] = field(default_factory=list)  # fields accepted but not acted on (reported in x_tandem)
+
+
+@dataclass
+class Reply:
+    """A reply being built from parser events; both dialects render it."""
+
+    id: str
+    model: str
+    created: int
+    prompt_tokens: int
+    stop: list[str] = field(default_factory=list)
+    blocks: list[list] = field(default_factory=list)  # [kind, payload] in order; text/thinking runs merged
+    result: Any = None  # engine.generate.GenerationResult
+    stop_sequence: str | None = None
+    x_tandem: dict = field(default_factory=dict)
+
+    def add(self, events: Sequence[Event]) -> None:
+        for kind, payload in events:
+            if kind != "tool" and self.blocks and self.blocks[-1][0] == kind:
+                self.blocks[-1][1] += payload
+            else:
+                self.blocks.append([kind, payload])
+
+    @property
+    def text(self) -> str:
+        return "".join(p for k, p in self.blocks if k == "text")
+
+    @property
+    def thinking(self) -> str:
+        return "".join(p for k, p in self.blocks if k == "thinking")
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [p for k, p in self.blocks if k == "tool"]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.result.generated if self.result is not None else 0
+
+    @property
+    def finish(self) -> str:
+        """"tool_calls", "stop_sequence", "stop" (EOS), "length" or "cancelled"."""
+        if self.tool_calls:
+            return "tool_calls"
+        if self.stop_sequence is not None:
+            return "stop_sequence"
+        return self.result.finish_reason if self.result is not None else "stop"
+
+
+def matched_stop(full_text: str, stops: Sequence[str]) -> str | None:
+    """The stop string that ended ``full_text`` (the earliest one in it), if any."""
+    hits = [(full_text.find(s), s) for s in stops if s and s in full_text]
+    return min(hits)[1] if hits else None
+
+
+# -- field checks shared by the dialects -------------------------------------------------------
+
+def opt_number(body: dict, key: str, *, lo: float | None = None, hi: float | None = None,
+               integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    what = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        raise RequestError(f"'{key}' must be {what}, got {json.dumps(value)[:40]}", param=key)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
+        raise RequestError(f"'{key}' must be {bounds}, got {value}", param=key)
+    return int(value) if integer else float(value)
+
+
+def opt_bool(body: dict, key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be true or false", param=key)
+    return value
+
+
+def str_list(value: Any, key: str, *, limit: int = 16) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise RequestError(f"'{key}' must be a string or a list of strings", param=key)
+    if len(value) > limit:
+        raise RequestError(f"'{key}' takes at most {limit} strings, got {len(value)}", param=key)
+    return [s for s in value if s]
+
+
+def tandem_options(body: dict, spec: GenSpec) -> None:
+    """The optional ``"tandem": {"mode": ..., "max_draft": ...}`` extension (extra_body in the SDKs)."""
+    opts = body.get("tandem")
+    if opts is None:
+        return
+    if not isinstance(opts, dict):
+        raise RequestError("'tandem' must be an object like {\"mode\": \"lookup\", \"max_draft\": 8}", param="tandem")
+    from engine.generate import MODES
+
+    mode = opts.get("mode")
+    if mode is not None and mode not in MODES:
+        raise RequestError(f"'tandem.mode' must be one of {', '.join(MODES)}, got {json.dumps(mode)[:40]}",
+                           param="tandem.mode")
+    spec.mode = mode
+    cap = opts.get("max_draft")
+    if cap is not None and cap != "auto" and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise RequestError("'tandem.max_draft' must be an integer >= 0 or \"auto\"", param="tandem.max_draft")
+    spec.max_draft = cap
