@@ -1,0 +1,132 @@
+"""The one bridge between the views and the engine worker: Qt signals, plus two thread-safe
+side channels that must not wait for the worker's event loop (cancel flags and the telemetry
+buffer). Views only ever talk to a ``Bridge``; only ``app.worker`` touches MLX.
+
+Requests (GUI -> worker) are queued signals, so they run in the worker thread in order.
+Replies (worker -> GUI) are signals emitted from the worker thread, delivered queued to the GUI.
+Payloads are plain dicts/lists (``object``), never MLX arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+from PySide6.QtCore import QObject, QThread, Signal
+
+from app.telemetry_model import TelemetryBuffer
+
+
+class Bridge(QObject):
+    # -- requests: GUI -> worker ---------------------------------------------------------------
+    load_requested = Signal(object, object)  # (model spec or None for the starter, drafter or None)
+    generate_requested = Signal(int, object, object)  # (request id, prompt: str | messages, params dict)
+    race_requested = Signal(int, object, object, object)  # (request id, prompt, modes list, params dict)
+    calibrate_requested = Signal(int, object)  # (request id, calibrate() keyword overrides or None)
+
+    # -- replies: worker -> GUI ----------------------------------------------------------------
+    device_info = Signal(object)  # {"backend", "device", "memory_bytes", "blas"}
+    registry_rows = Signal(object)  # engine.registry rows (target -> drafter pairs), sent once
+    model_loading = Signal(str)  # what is being loaded
+    model_loaded = Signal(object)  # model info dict (name, path, weight_bytes, ...)
+    model_failed = Signal(str)  # one-line reason; the previous model (if any) stays loaded
+    busy_changed = Signal(bool)  # the worker started / finished a job
+
+    gen_started = Signal(int, object)  # (id, {"mode": resolved mode, "prompt_tokens": n})
+    gen_text = Signal(int, str)  # (id, new text)
+    gen_finished = Signal(int, object)  # (id, result dict)
+    gen_failed = Signal(int, str)  # (id, one-line error)
+
+    race_lane_started = Signal(int, int, str)  # (id, lane, mode)
+    race_lane_text = Signal(int, int, str)  # (id, lane, new text)
+    race_lane_finished = Signal(int, int, object)  # (id, lane, lane dict)
+    race_finished = Signal(int, object)  # (id, {"lanes": [...], "verdicts": [...]})
+
+    calib_progress = Signal(int, int, int, str)  # (id, done, total, what)
+    calib_finished = Signal(int, object)  # (id, curves dict)
+    calib_failed = Signal(int, str)
+
+    def __init__(self, parent: QObject | None = None):
+        super().__init__(parent)
+        self._ids = itertools.count(1)
+        self._issued = 0
+        self._cancelled_through = 0  # every request id <= this is cancelled
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self.telemetry = TelemetryBuffer()
+        self.model_info: dict = {}
+        self.pairs: list[dict] | None = None  # registry rows, once the worker has read them
+        self.model_loaded.connect(self._remember_model)
+        self.registry_rows.connect(self._remember_rows)
+
+    def _remember_model(self, info: dict) -> None:
+        self.model_info = dict(info)
+
+    def _remember_rows(self, rows: list) -> None:
+        self.pairs = list(rows)
+
+    # -- request ids and cancellation (read by the worker between rounds) ----------------------
+    def next_id(self) -> int:
+        with self._lock:
+            self._issued = next(self._ids)
+            return self._issued
+
+    def cancel(self, request_id: int | None = None) -> None:
+        """Cancel one request, or (None) everything issued so far, queued ones included."""
+        with self._lock:
+            if request_id is None:
+                self._cancelled_through = self._issued
+            else:
+                self._cancelled.add(request_id)
+
+    def is_cancelled(self, request_id: int) -> bool:
+        return request_id <= self._cancelled_through or request_id in self._cancelled
+
+    # -- convenience senders used by the views ---------------------------------------------------
+    def load(self, spec: str | None, drafter: str | None = None) -> None:
+        self.load_requested.emit(spec, drafter)
+
+    def generate(self, prompt, params: dict) -> int:
+        rid = self.next_id()
+        self.generate_requested.emit(rid, prompt, dict(params))
+        return rid
+
+    def race(self, prompt, modes: list[str], params: dict) -> int:
+        rid = self.next_id()
+        self.race_requested.emit(rid, prompt, list(modes), dict(params))
+        return rid
+
+    def calibrate(self, params: dict | None = None) -> int:
+        rid = self.next_id()
+        self.calibrate_requested.emit(rid, params)
+        return rid
+
+
+class EngineHost(QObject):
+    """Owns the one worker QThread. ``stop()`` must run before the widgets die (else Qt aborts
+    with "QThread: Destroyed while thread is still running")."""
+
+    def __init__(self, bridge: Bridge, engine_factory=None, parent: QObject | None = None):
+        super().__init__(parent)
+        from app.worker import EngineWorker  # imports no MLX at module level; MLX loads in the thread
+
+        self.bridge = bridge
+        self.thread = QThread()
+        self.thread.setObjectName("tandem-engine")
+        self.worker = EngineWorker(bridge, engine_factory)
+        self.worker.moveToThread(self.thread)
+        bridge.load_requested.connect(self.worker.load)
+        bridge.generate_requested.connect(self.worker.generate)
+        bridge.race_requested.connect(self.worker.race)
+        bridge.calibrate_requested.connect(self.worker.calibrate)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout_ms: int = 60_000) -> bool:
+        """Cancel everything, let the running job end at its next round, and join the thread."""
+        if not self.thread.isRunning():
+            return True
+        self.bridge.cancel()
+        self.thread.quit()
+        return bool(self.thread.wait(timeout_ms))

@@ -1,0 +1,379 @@
+"""The engine worker: the ONLY module of the app that touches MLX (and the engine modules that
+import it). It lives in one long-lived QThread and does every MLX call there: load, generate,
+race, calibrate. MLX streams are thread-bound (MLX >= 0.31.2), so everything is created here.
+
+Views never call this directly: they emit the ``Bridge``'s request signals (queued into this
+thread) and listen to its reply signals. Cancellation is read from the bridge between rounds,
+so a Stop takes effect within one verify round. Every job catches its errors and reports them
+as one line: a failed load keeps the previous model; a failed lane does not end a race.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QObject, QTimer, Slot
+
+from app.bridge import Bridge
+from app.race_verdict import verdict as race_verdict
+
+EngineFactory = Callable[[Optional[str], Optional[str]], Any]  # (spec, drafter) -> engine.generate.Engine
+
+
+def _report(err: BaseException) -> None:
+    """Log a traceback for unexpected errors; a TandemError is a user-facing one-liner already."""
+    from engine.errors import TandemError
+
+    if not isinstance(err, TandemError):
+        traceback.print_exception(err, file=sys.stderr)
+
+
+def _one_line(err: BaseException) -> str:
+    from engine.errors import TandemError
+
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, TandemError):
+        return text or type(err).__name__
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+class EngineWorker(QObject):
+    def __init__(self, bridge: Bridge, engine_factory: Optional[EngineFactory] = None):
+        super().__init__()
+        self.bridge = bridge
+        self.factory = engine_factory
+        self.engine = None
+        self._device_sent = False
+        self._bandwidth: Optional[float] = None
+
+    # -- loading ---------------------------------------------------------------------------------
+    @Slot(object, object)
+    def load(self, spec: Optional[str], drafter: Optional[str]) -> None:
+        b = self.bridge
+        label = spec or "starter model"
+        b.busy_changed.emit(True)
+        b.model_loading.emit(label)
+        try:
+            import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+            self._send_device_info()
+            if self.factory is not None:
+                eng = self.factory(spec, drafter)
+            else:
+                from engine.api import load
+
+                eng = load(spec, drafter=drafter)
+            info = self._model_info(eng, spec, drafter)
+        except Exception as err:  # the previous engine (if any) stays usable
+            _report(err)
+            b.model_failed.emit(f"could not load {label}: {_one_line(err)}")
+        else:
+            self.engine = eng
+            b.telemetry.set_model(info)
+            b.model_loaded.emit(info)
+            # after any request already queued (a chat sent while loading goes first)
+            QTimer.singleShot(0, lambda: self._after_load(eng, info))
+        finally:
+            b.busy_changed.emit(False)
+
+    def _send_device_info(self) -> None:
+        if self._device_sent:
+            return
+        from engine import platform
+
+        info = {"backend": platform.backend(), "device": platform.device_name(),
+                "memory_bytes": platform.memory_bytes(), "blas": platform.blas_status().state}
+        self._device_sent = True
+        self.bridge.device_info.emit(info)
+        try:  # the Models tab shows registry pairs; reading the registry imports MLX, so it happens here
+            from engine import registry
+
+            self.bridge.registry_rows.emit(list(registry.rows()))
+        except Exception as err:
+            print(f"tandem app: registry unavailable: {_one_line(err)}", file=sys.stderr)
+
+    def _model_info(self, eng, spec: Optional[str], drafter: Optional[str]) -> dict:
+        from mlx.utils import tree_flatten
+
+        from engine.roofline import active_weight_bytes, kv_profile
+
+        loaded = getattr(eng, "loaded", None)
+        flat = tree_flatten(eng.model.parameters())
+        kv = kv_profile(eng.model)
+        return {
+            "name": eng.name, "spec": spec, "drafter": drafter or eng.drafter_path,
+            "path": str(loaded.path) if loaded is not None else None,
+            "source": getattr(loaded, "source", "in-memory"),
+            "dtype": getattr(loaded, "dtype", None) or _dominant_dtype(flat),
+            "quantized": bool(getattr(loaded, "quantized", False)),
+            "params": sum(int(v.size) for _, v in flat), "weight_bytes": active_weight_bytes(eng.model),
+            "kv": {"layers": [list(layer) for layer in kv.layers], "state": kv.state_bytes},
+            "kv_bytes_per_token": kv.bytes_per_token,
+            "layers": eng.target.num_layers, "vocab": eng.target.vocab_size,
+            "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
+            "can_rollback": bool(eng.target.can_rollback),
+        }
+
+    def _after_load(self, eng, info: dict) -> None:
+        """The roofline needs this machine's bandwidth: from a cached calibration of this model
+        if there is one (its curves go to the plot too), else measured once per session."""
+        try:
+            self._roofline_inputs(eng)
+        except Exception as err:  # the roofline goes without a ceiling; the model is usable
+            _report(err)
+
+    def _roofline_inputs(self, eng) -> None:
+        if eng is not self.engine:  # another model was loaded meanwhile
+            return
+        cal = None
+        try:
+            from engine import calibrate
+
+            mode = self._calibration_mode(eng)
+            cal = calibrate.load_cached(calibrate.calibration_key(eng, mode, eng.drafter(mode)))
+        except Exception as err:
+            print(f"tandem app: no cached calibration: {_one_line(err)}", file=sys.stderr)
+        if cal is not None:
+            self.bridge.telemetry.set_calibration(_curves(cal, mode))
+            if cal.bandwidth > 0:
+                self._bandwidth = cal.bandwidth
+        else:
+            self.bridge.telemetry.set_calibration(None)
+        if self._bandwidth is None:
+            self._bandwidth = _session_bandwidth()
+        self.bridge.telemetry.update_model(bandwidth=self._bandwidth)
+
+    @staticmethod
+    def _calibration_mode(eng) -> str:
+        """The drafter whose curves matter: the one --mode auto would use (lookup at least)."""
+        mode = eng.resolve_mode("auto")
+        return "lookup" if mode == "baseline" else mode
+
+    # -- generation --------------------------------------------------------------------------
+    def _prompt_for(self, prompt: Any) -> tuple[Any, bool]:
+        """Chat messages need a chat template; a model without one gets the turns as plain text."""
+        if isinstance(prompt, str):
+            return prompt, True
+        if getattr(self.engine.tokenizer, "chat_template", None):
+            return list(prompt), True
+        return "\n".join(m["content"] for m in prompt), False
+
+    def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
+                started: Callable[[str, int], None] | None = None) -> dict:
+        """Run one generation on the current engine; returns the result as a plain dict."""
+        from engine.detokenize import StreamingDetokenizer
+
+        eng = self.engine
+        prompt, use_template = self._prompt_for(prompt)
+        tel = self.bridge.telemetry
+        tel.begin(label)
+        pieces: list[str] = []
+        detok = StreamingDetokenizer(eng.tokenizer)
+        result = None
+        first = True
+
+        def on_round(ev) -> None:
+            tel.push_round({"index": ev.index, "t": ev.t, "drafted": ev.drafted, "accepted": ev.accepted,
+                            "committed": ev.committed, "cap": ev.cap, "context": ev.context,
+                            "generated": ev.generated, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
+                            "mode": ev.mode})
+
+        kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
+                                         "seed", "stop", "system") if k in params and params[k] is not None}
+        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round,
+                                cancel=lambda: self.bridge.is_cancelled(rid), **kwargs):
+            if chunk.event is not None and first:
+                first = False
+                if started is not None:
+                    started(chunk.event.mode, chunk.event.context - chunk.event.generated)
+            if chunk.token_ids:
+                for tok in chunk.token_ids:  # per-token text, for the race's token diff
+                    pieces.append(detok.add([tok]))
+            if chunk.text:
+                on_text(chunk.text)
+            if chunk.result is not None:
+                result = chunk.result
+        r = result
+        pieces = pieces[: len(r.token_ids)]  # a stop string may have cut the last round short
+        if pieces and len(pieces) == len(r.token_ids):
+            pieces[-1] += detok.flush()  # an incomplete multi-byte character at the very end
+        out = r.to_dict()
+        out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
+                   ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
+                   temperature=float(params.get("temperature") or 0.0))
+        if r.generated > 1 and r.finish_reason != "cancelled":
+            tel.push_point({"mode": r.mode, "tps": r.decode_tps, "context": r.prompt_tokens + r.generated / 2,
+                            "speculative": r.mode != "baseline", "accept": r.mean_accepted, "label": label})
+        return out
+
+    @Slot(int, object, object)
+    def generate(self, rid: int, prompt: Any, params: dict) -> None:
+        b = self.bridge
+        if b.is_cancelled(rid):
+            b.gen_failed.emit(rid, "cancelled")
+            return
+        if self.engine is None:
+            b.gen_failed.emit(rid, "no model is loaded (see the Models tab)")
+            return
+        b.busy_changed.emit(True)
+        try:
+            out = self._stream(rid, prompt, params, f"chat | {params.get('mode', 'auto')}",
+                               on_text=lambda text: b.gen_text.emit(rid, text),
+                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+        except Exception as err:
+            _report(err)
+            b.gen_failed.emit(rid, _one_line(err))
+        else:
+            b.gen_finished.emit(rid, out)
+        finally:
+            b.busy_changed.emit(False)
+
+    # -- race ----------------------------------------------------------------------------------
+    @Slot(int, object, object, object)
+    def race(self, rid: int, prompt: Any, modes: list, params: dict) -> None:
+        """Run each mode in turn (same prompt, settings and seed; each stream makes a fresh cache),
+        then compare every lane's tokens with baseline's."""
+        b = self.bridge
+        modes = ["baseline"] + [m for m in modes if m != "baseline"]
+        lanes: list[dict] = []
+        if self.engine is None:
+            b.race_finished.emit(rid, {"lanes": [], "verdicts": [], "error": "no model is loaded"})
+            return
+        b.busy_changed.emit(True)
+        try:
+            seed = params.get("seed")
+            params = dict(params, seed=0 if seed is None else seed)
+            for i, mode in enumerate(modes):
+                if b.is_cancelled(rid):
+                    lanes.append({"mode": mode, "error": "cancelled"})
+                    b.race_lane_finished.emit(rid, i, lanes[-1])
+                    continue
+                b.race_lane_started.emit(rid, i, mode)
+                try:
+                    lane = self._stream(rid, prompt, dict(params, mode=mode), f"race | {mode}",
+                                        on_text=lambda text, i=i: b.race_lane_text.emit(rid, i, text))
+                    lane["mode_requested"] = mode
+                except Exception as err:
+                    _report(err)
+                    lane = {"mode": mode, "error": _one_line(err)}
+                lanes.append(lane)
+                b.race_lane_finished.emit(rid, i, lane)
+            verdicts = self._verdicts(prompt, lanes, params)
+            b.race_finished.emit(rid, {"lanes": lanes, "verdicts": verdicts})
+        except Exception as err:
+            _report(err)
+            b.race_finished.emit(rid, {"lanes": lanes, "verdicts": [], "error": _one_line(err)})
+        finally:
+            b.busy_changed.emit(False)
+
+    def _verdicts(self, prompt: Any, lanes: list[dict], params: dict) -> list[Optional[dict]]:
+        base = lanes[0] if lanes else None
+        if not base or "error" in base:
+            return [None for _ in lanes]
+        greedy = float(params.get("temperature") or 0.0) <= 0.0
+        ref = base["token_ids"]
+        out: list[Optional[dict]] = [None]
+        for lane in lanes[1:]:
+            if "error" in lane:
+                out.append(None)
+                continue
+            cand = lane["token_ids"]
+            v = race_verdict(ref, cand, greedy=greedy)
+            if v.status == "diverged":
+                margin, gap = self._margin_at(prompt, ref[: v.index], v.expected, v.got)
+                names = {t: self.engine.tokenizer.decode([t]) for t in (v.expected, v.got)}
+                v = race_verdict(ref, cand, greedy=greedy, margin=margin, gap=gap, token_text=names)
+            out.append({"status": v.status, "index": v.index, "expected": v.expected, "got": v.got,
+                        "margin": v.margin, "gap": v.gap, "text": v.text, "ok": v.ok})
+        return out
+
+    def _margin_at(self, prompt: Any, prefix: list[int], expected: int, got: int) -> tuple[float, float]:
+        """Re-run prompt + baseline's prefix on a clean cache, one forward; return the target's
+        top-1 minus top-2 logit and its logit of ``expected`` minus that of ``got`` there."""
+        import mlx.core as mx
+
+        eng = self.engine
+        text, use_template = self._prompt_for(prompt)
+        ids = eng.encode(text, chat_template=use_template) + list(prefix)
+        cache = eng.target.new_cache()
+        logits, _ = eng.target.prefill(ids, cache)
+        logits = logits.astype(mx.float32)
+        top2 = mx.sort(logits)[-2:]
+        mx.eval(top2, logits)
+        margin = float(top2[1].item() - top2[0].item())
+        gap = float(logits[expected].item() - logits[got].item())
+        return margin, gap
+
+    # -- calibration ---------------------------------------------------------------------------
+    @Slot(int, object)
+    def calibrate(self, rid: int, params: Optional[dict] = None) -> None:
+        """Measure this machine's cost curves for the loaded model and its drafter (the
+        calibrator's own measurement, cached by it), with progress; Cancel aborts between steps."""
+        b = self.bridge
+        if self.engine is None:
+            b.calib_failed.emit(rid, "no model is loaded")
+            return
+        b.busy_changed.emit(True)
+        try:
+            from engine import calibrate
+
+            mode = self._calibration_mode(self.engine)
+
+            def progress(done: int, total: int, stage: str) -> None:
+                if b.is_cancelled(rid):
+                    raise _Cancelled()
+                b.calib_progress.emit(rid, done, total, stage)
+
+            b.calib_progress.emit(rid, 0, 1, f"{mode} drafter")
+            cal = calibrate.calibrate(self.engine, mode, recalibrate=True, progress=progress, **(params or {}))
+        except _Cancelled:
+            b.calib_failed.emit(rid, "cancelled")
+        except Exception as err:
+            _report(err)
+            b.calib_failed.emit(rid, _one_line(err))
+        else:
+            curves = _curves(cal, mode)
+            if cal.bandwidth > 0:
+                self._bandwidth = cal.bandwidth
+                b.telemetry.update_model(bandwidth=cal.bandwidth)
+            b.telemetry.set_calibration(curves)
+            b.calib_finished.emit(rid, curves)
+        finally:
+            b.busy_changed.emit(False)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+# -- helpers (run in the worker thread) ----------------------------------------------------------
+def _dominant_dtype(flat) -> str:
+    sizes: dict[str, int] = {}
+    for _, v in flat:
+        name = str(v.dtype).replace("mlx.core.", "")
+        sizes[name] = sizes.get(name, 0) + int(v.size)
+    return max(sizes, key=sizes.get) if sizes else "?"
+
+
+_BANDWIDTH: list[float] = []  # measured once per process: the machine's bandwidth doesn't change
+
+
+def _session_bandwidth() -> float:
+    if not _BANDWIDTH:
+        from engine.roofline import measure_bandwidth
+
+        _BANDWIDTH.append(measure_bandwidth(repeats=3))
+    return _BANDWIDTH[0]
+
+
+def _curves(cal, mode: str) -> dict:
+    """A calibration as plain numbers for the plot (no MLX objects cross the bridge)."""
+    from engine.calibrate import static_cap
+
+    return {"mode": mode, "widths": list(cal.widths), "verify_ms": list(cal.verify_ms),
+            "verify_fit": [cal.verify(w) for w in cal.widths], "draft_caps": list(cal.draft_caps),
+            "draft_ms": list(cal.draft_ms), "overhead_ms": cal.overhead_ms, "step_overhead_ms": cal.step_overhead_ms,
+            "bandwidth": cal.bandwidth, "context": cal.context, "default_cap": static_cap(cal),
+            "seconds": cal.seconds, "from_cache": bool(cal.from_cache)}

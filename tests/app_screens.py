@@ -1,0 +1,130 @@
+"""Screenshots of the desktop app on the starter model (a script, not a test).
+
+Starts the app, drives a chat (two turns), a calibration, a race, and saves one PNG per tab with
+``QWidget.grab()``:
+
+    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python tests/app_screens.py /tmp/tandem-shots [--demo-cache]
+    QT_QPA_PLATFORM=offscreen .venv/bin/python tests/app_screens.py /tmp/tandem-shots   # no X at all
+
+Takes about a minute on a 2-core CPU. Exits non-zero if any step fails or times out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import engine  # noqa: E402,F401  (OpenBLAS before mlx.core)
+from PySide6.QtWidgets import QApplication  # noqa: E402
+
+from app.main import MainWindow, make_application  # noqa: E402
+
+CHAT_TURNS = [
+    ("auto", "In two sentences, what is a CPU cache?"),
+    ("lookup", "Repeat your last answer word for word, then add one sentence about memory bandwidth."),
+]
+RACE_PROMPT = ("Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring, "
+               "then show three example calls.")
+
+
+def wait_until(app: QApplication, cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise SystemExit(f"app_screens: timed out after {timeout:.0f}s waiting for {what}")
+        app.processEvents()
+        time.sleep(0.01)
+
+
+def settle(app: QApplication, seconds: float = 0.4) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        app.processEvents()
+        time.sleep(0.01)
+
+
+def shoot(app: QApplication, win: MainWindow, tab, path: Path) -> None:
+    win.tabs.setCurrentWidget(tab)
+    if tab is win.telemetry:
+        win.telemetry.redraw(force=True)
+    settle(app)
+    if not win.grab().save(str(path)):
+        raise SystemExit(f"app_screens: could not write {path}")
+    print(f"saved {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path, help="folder for chat.png, models.png, race.png, telemetry.png")
+    p.add_argument("--model", default=None, help="model to load (default: the starter model)")
+    p.add_argument("--race-modes", default="lookup", help="comma-separated modes raced against baseline")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--demo-cache", action="store_true",
+                   help="show a hand-built HF cache (a target, a drafter) in the Models tab instead of ~/.cache")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    cache_dir = None
+    if args.demo_cache:
+        import tempfile
+
+        from tests.test_app_hub import build_cache
+
+        cache_dir = str(build_cache(Path(tempfile.mkdtemp(prefix="tandem-demo-"))))
+    app = make_application()
+    win = MainWindow(model=args.model, cache_dir=cache_dir)
+    win.resize(1400, 900)
+    win.show()
+    errors: list[str] = []
+    win.bridge.model_failed.connect(errors.append)
+    win.bridge.gen_failed.connect(lambda rid, msg: errors.append(msg))
+    win.bridge.calib_failed.connect(lambda rid, msg: errors.append(msg))
+    try:
+        t0 = time.monotonic()
+        wait_until(app, lambda: win.chat.model_ready or errors, 300, "the model to load")
+        if errors:
+            raise SystemExit(f"app_screens: {errors[0]}")
+        print(f"model loaded in {time.monotonic() - t0:.1f}s: {win.model_status.text()}")
+
+        chat = win.chat
+        chat.max_tokens.setValue(args.max_tokens)
+        for mode, text in CHAT_TURNS:
+            chat.mode.setCurrentText(mode)
+            chat.send(text)
+            wait_until(app, lambda: not chat.generating, 300, f"chat reply ({mode})")
+            if errors:
+                raise SystemExit(f"app_screens: {errors[0]}")
+            print(f"chat [{mode}]: {chat.last_result['tokens']} tokens, {chat.last_result['decode_tps']:.1f} tok/s")
+        shoot(app, win, win.chat, args.out / "chat.png")
+
+        tel = win.telemetry
+        tel.calibrate()
+        wait_until(app, lambda: tel.calib_id is None, 300, "calibration")
+        if errors:
+            raise SystemExit(f"app_screens: {errors[0]}")
+
+        race = win.race
+        race.max_tokens.setValue(args.max_tokens)
+        race.prompt.setPlainText(RACE_PROMPT)
+        modes = [m for m in args.race_modes.split(",") if m]
+        race.run(modes=["baseline"] + modes)
+        wait_until(app, lambda: race.request_id is None, 600, "the race")
+        wait_until(app, lambda: not race.replay_timer.isActive(), 120, "the replay")
+        print(race.summary.text())
+        shoot(app, win, win.race, args.out / "race.png")
+        shoot(app, win, win.telemetry, args.out / "telemetry.png")
+        if cache_dir:
+            win.models.select("org/tiny-dspark")
+        shoot(app, win, win.models, args.out / "models.png")
+    finally:
+        win.shutdown()
+        win.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

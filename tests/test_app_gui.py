@@ -1,0 +1,298 @@
+"""The desktop app end to end under pytest-qt (offscreen): the real worker thread running a tiny
+random engine (built in that thread by an injected factory), the real views and signals."""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+
+from app.bridge import Bridge
+from app.main import MainWindow
+from app.views.chat import Bubble
+from app.worker import EngineWorker
+from engine.errors import TandemError
+from engine.generate import Engine
+from tests.test_app_hub import DRAFTER, TARGET, FakeHub, build_cache
+from tests.tiny import make_tiny_model, make_tokenizer
+
+PROMPT = "w5 w6 w7 w8 w9 w10 w5 w6 w7 w8 w9 w10 w5 w6 w7"
+WAIT_MS = 30_000
+
+
+def tiny_engine() -> Engine:
+    """A tiny random llama that never emits EOS (its EOS logit is pinned to 0, below the best
+    of 95 random logits), so a generation runs until its limit or a cancel."""
+    model = make_tiny_model("llama", seed=0)
+    w = model.lm_head.weight
+    w[0] = 0.0
+    model.lm_head.weight = w
+    mx.eval(model.parameters())
+    return Engine(model, make_tokenizer(), name="tiny-llama")
+
+
+def tiny_factory(spec, drafter):
+    if spec == "org/broken":
+        raise TandemError("org/broken: cannot load model (planted failure)")
+    assert threading.current_thread() is not threading.main_thread()  # loads happen in the worker thread
+    return tiny_engine()
+
+
+@pytest.fixture
+def win(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))  # calibrations land here, not in ~/.cache
+    w = MainWindow(engine_factory=tiny_factory, cache_dir=str(build_cache(tmp_path)))
+    qtbot.addWidget(w)
+    qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
+    yield w
+    w.shutdown()  # joins the worker thread before the widgets die
+    assert not w.host.thread.isRunning()
+
+
+def ask(qtbot, win, text, mode="baseline", max_tokens=24) -> dict:
+    chat = win.chat
+    chat.mode.setCurrentText(mode)
+    chat.max_tokens.setValue(max_tokens)
+    with qtbot.waitSignal(win.bridge.gen_finished, timeout=WAIT_MS) as sig:
+        assert chat.send(text) is not None
+    qtbot.waitUntil(lambda: not chat.generating, timeout=WAIT_MS)
+    return sig.args[1]
+
+
+# -- chat ----------------------------------------------------------------------------------------------
+def test_chat_streams_tokens_from_the_worker(win, qtbot):
+    chunks = []
+    win.bridge.gen_text.connect(lambda rid, text: chunks.append(text))
+    result = ask(qtbot, win, PROMPT, "baseline", 24)
+    assert result["tokens"] == 24 and result["finish_reason"] == "length"
+    assert len(chunks) >= 10  # streamed round by round, not in one piece
+    assert "".join(chunks) == result["text"]
+    bubbles = [b for b in win.chat.findChildren(Bubble) if b.role == "assistant"]
+    assert bubbles[-1].content == result["text"] and "tok/s" in bubbles[-1].footer.text()
+    assert [m["role"] for m in win.chat.messages] == ["user", "assistant"]
+    assert not win.chat.generating and win.chat.send_button.text() == "Send"
+    # second turn, another mode: the conversation grows and greedy output is the same text as baseline
+    again = ask(qtbot, win, PROMPT, "lookup", 24)
+    assert [m["role"] for m in win.chat.messages] == ["user", "assistant"] * 2
+    assert again["mode"] == "lookup" and again["tokens"] == 24
+
+
+def test_chat_cancel_stops_within_one_round(win, qtbot):
+    chat, tel = win.chat, win.bridge.telemetry
+    chat.mode.setCurrentText("lookup")
+    chat.max_tokens.setValue(4000)
+    at_cancel = {}
+
+    def on_text(rid, text):
+        if not at_cancel and rid == chat.request_id:
+            chat.stop()  # sets the flag the worker reads after every round
+            rounds = tel.snapshot().rounds
+            at_cancel["round"] = rounds[-1]["index"] if rounds else 0
+
+    win.bridge.gen_text.connect(on_text)
+    with qtbot.waitSignal(win.bridge.gen_finished, timeout=WAIT_MS) as sig:
+        chat.send(PROMPT)
+    result = sig.args[1]
+    assert result["finish_reason"] == "cancelled" and result["tokens"] < 4000
+    assert len(result["rounds"]) - 1 <= at_cancel["round"] + 1  # at most the round in flight finished
+    qtbot.waitUntil(lambda: not chat.generating, timeout=WAIT_MS)
+    assert "stopped" in chat.status.text()
+    assert ask(qtbot, win, "w11 w12", "baseline", 5)["tokens"] == 5  # and the app carries on
+
+
+def test_failed_load_shows_the_error_and_keeps_the_model(win, qtbot):
+    with qtbot.waitSignal(win.bridge.model_failed, timeout=WAIT_MS) as sig:
+        win.bridge.load("org/broken")
+    assert "planted failure" in sig.args[0]
+    assert "planted failure" in win.chat.banner_text.text() and not win.chat.banner.isHidden()
+    assert "still using tiny-llama" in win.model_status.text()
+    assert "planted failure" in win.models.detail.text()
+    assert ask(qtbot, win, "w5 w6", "baseline", 4)["tokens"] == 4
+
+
+def test_generation_error_is_reported_not_fatal(win, qtbot):
+    with qtbot.waitSignal(win.bridge.gen_failed, timeout=WAIT_MS) as sig:
+        win.chat.mode.setCurrentText("draft")  # needs a draft model: a one-line TandemError
+        win.chat.send(PROMPT)
+    assert "--draft-model" in sig.args[1]
+    qtbot.waitUntil(lambda: not win.chat.generating, timeout=WAIT_MS)
+    assert win.chat.messages == []  # the failed turn is dropped
+    assert ask(qtbot, win, "w5 w6", "baseline", 3)["tokens"] == 3
+
+
+# -- race ----------------------------------------------------------------------------------------------
+def test_race_runs_lanes_and_replays(win, qtbot):
+    race = win.race
+    race.max_tokens.setValue(32)
+    with qtbot.waitSignal(win.bridge.race_finished, timeout=WAIT_MS) as sig:
+        race.run(PROMPT, modes=["baseline", "lookup", "draft"])
+    result = sig.args[1]
+    base, lookup, draft = result["lanes"]
+    assert base["mode"] == "baseline" and lookup["mode"] == "lookup"
+    assert lookup["token_ids"] == base["token_ids"] and len(base["token_ids"]) == 32
+    assert all(a <= b for a, b in zip(base["token_times"], base["token_times"][1:]))
+    assert "".join(base["pieces"]) == base["text"]
+    assert "--draft-model" in draft["error"]  # a failed lane does not end the race
+    assert result["verdicts"][1]["status"] == "identical" and result["verdicts"][2] is None
+    assert "identical" in race.summary.text() and "failed" in race.summary.text()
+    qtbot.waitUntil(lambda: not race.replay_timer.isActive(), timeout=WAIT_MS)
+    assert race.timeline.value() == 1000
+    assert race.lanes[1].body.toPlainText().strip() == lookup["text"].strip()
+    assert "tok/s" in race.lanes[1].speed.text() and "×" in race.lanes[1].speed.text()
+    assert race.lanes[2].speed.text() == "failed"
+
+
+def test_race_margin_separates_ties_from_bugs():
+    """Plant divergences after a real baseline run; the worker's clean re-run must measure the
+    target's logits there: an exact tie (a duplicated lm_head row) vs a clearly worse token."""
+    eng = tiny_engine()
+    worker = EngineWorker(Bridge(), None)
+    worker.engine = eng
+    base = eng.generate(PROMPT, mode="baseline", max_new_tokens=12, chat_template=False).token_ids
+    i = 6
+    expected = base[i]
+    prompt_ids = eng.encode(PROMPT, chat_template=False)
+    logits = eng.model(mx.array([prompt_ids + base[:i]]))[0, -1]
+    worst = int(mx.argmin(logits).item())
+    twin = max(t for t in range(eng.target.vocab_size) if t not in base)  # a higher id: ties keep baseline's token
+    w = eng.model.lm_head.weight
+    w[twin] = w[expected]
+    eng.model.lm_head.weight = w
+    mx.eval(eng.model.parameters())
+    assert eng.generate(PROMPT, mode="baseline", max_new_tokens=12, chat_template=False).token_ids == base
+
+    lane = lambda ids: {"mode": "lookup", "token_ids": ids}  # noqa: E731
+    tie_ids = base[:i] + [twin] + base[i + 1:]
+    bug_ids = base[:i] + [worst] + base[i + 1:]
+    verdicts = worker._verdicts(PROMPT, [lane(base), lane(base), lane(tie_ids), lane(bug_ids), lane(base[:9])],
+                                {"temperature": 0.0})
+    assert verdicts[0] is None and verdicts[1]["status"] == "identical"
+    tie, bug, short = verdicts[2], verdicts[3], verdicts[4]
+    assert tie["status"] == "diverged" and tie["index"] == i and tie["gap"] == 0.0 and tie["ok"]
+    assert "floating-point tie" in tie["text"]
+    expect_gap = float((logits[expected] - logits[worst]).item())
+    assert bug["gap"] == pytest.approx(expect_gap, rel=1e-4) and not bug["ok"] and "bug" in bug["text"]
+    # the top-2 margin is 0 here (the twin ties the top token): only the gap tells the bug apart
+    assert bug["margin"] == 0.0 and tie["margin"] == 0.0
+    assert short["status"] == "length_only" and short["ok"]
+
+
+# -- telemetry -------------------------------------------------------------------------------------------
+def test_telemetry_buffers_fill_and_plots_redraw(win, qtbot):
+    view = win.telemetry
+    assert view.timer.isActive() and view.timer.interval() == 100
+    result = ask(qtbot, win, PROMPT, "lookup", 40)
+    snap = win.bridge.telemetry.snapshot()
+    assert len(snap.rounds) == len(result["rounds"]) and snap.points[-1]["mode"] == "lookup"
+    qtbot.waitUntil(lambda: view.drawn_version == win.bridge.telemetry.snapshot().version, timeout=WAIT_MS)
+    spec_rounds = len(result["rounds"]) - 1
+    assert len(view.accepted_bars.opts["x"]) == spec_rounds
+    assert list(view.accepted_bars.opts["height"]) == [a for _, a in result["rounds"][1:]]
+    assert len(view.spec_points.data) == 1
+    assert view.stat_tau.value.text() == f"{result['mean_accepted']:.2f}"
+    xs, ys = view.ceiling_line.getData()
+    assert len(xs) > 2 and ys[0] > 0  # bandwidth was measured at load
+    redraws = view.redraws
+    assert not view.redraw()  # nothing new: no redraw
+    win.bridge.telemetry.push_round({"index": 99, "t": 9.0, "drafted": 3, "accepted": 2, "committed": 3,
+                                     "context": 80, "generated": 60})
+    qtbot.waitUntil(lambda: view.redraws > redraws, timeout=2000)  # the 10 Hz timer picks it up
+
+
+def test_calibrate_action_reports_progress_and_draws_costs(win, qtbot, tmp_path):
+    view = win.telemetry
+    steps = []
+    win.bridge.calib_progress.connect(lambda rid, done, total, what: steps.append((done, total, what)))
+    with qtbot.waitSignal(win.bridge.calib_finished, timeout=WAIT_MS) as sig:
+        view.calibrate({"passes": 1, "context": 64, "overhead_rounds": 2})
+    curves = sig.args[1]
+    assert curves["mode"] == "lookup" and curves["widths"][0] == 1
+    assert len(curves["verify_ms"]) == len(curves["widths"]) and all(v > 0 for v in curves["verify_ms"])
+    assert steps[-1][0] == steps[-1][1] > len(curves["widths"])  # progress reached the end
+    assert curves["bandwidth"] > 0 and win.bridge.telemetry.snapshot().model["bandwidth"] == curves["bandwidth"]
+    qtbot.waitUntil(lambda: view.drawn_version == win.bridge.telemetry.snapshot().version, timeout=WAIT_MS)
+    xs, ys = view.verify_line.getData()
+    assert list(xs) == curves["widths"] and list(ys) == curves["verify_fit"]
+    assert view.cap_line.isVisible() and view.cap_line.value() == curves["default_cap"] + 1
+    assert view.calib_id is None and "calibrated" in view.calib_status.text()
+    assert (tmp_path / "tandem" / "calibration.json").exists()  # the calibrator cached it
+
+
+def test_calibrate_can_be_cancelled(win, qtbot):
+    view = win.telemetry
+    first = []
+
+    def on_progress(rid, done, total, what):
+        if not first:
+            first.append(done)
+            view.calibrate()  # a second click on the button cancels
+
+    win.bridge.calib_progress.connect(on_progress)
+    with qtbot.waitSignal(win.bridge.calib_failed, timeout=WAIT_MS) as sig:
+        view.calibrate({"passes": 50, "context": 64})
+    assert sig.args[1] == "cancelled" and view.calib_id is None
+    assert win.bridge.telemetry.snapshot().calibration is None
+
+
+# -- models ----------------------------------------------------------------------------------------------
+def rows(win) -> dict[str, list[str]]:
+    t = win.models.table
+    return {t.topLevelItem(i).data(0, 0x0100): [t.topLevelItem(i).text(c) for c in range(t.columnCount())]
+            for i in range(t.topLevelItemCount())}
+
+
+def test_models_lists_the_cache_and_evicts_with_confirmation(win, qtbot, tmp_path):
+    r = rows(win)
+    assert r[TARGET][1:3] == ["hf-cache", "target"] and r[DRAFTER][1:3] == ["hf-cache", "drafter"]
+    assert r["smollm2-135m"][1] == "built-in"
+    repo_dir = tmp_path / "hub" / "models--org--tiny-dspark"
+    asked = []
+    win.models.confirm = lambda title, text: asked.append(text) or False  # the user says Cancel
+    assert win.models.select(DRAFTER) and not win.models.evict_selected()
+    assert repo_dir.exists() and "frees" in asked[0]
+    win.models.confirm = lambda title, text: True
+    assert win.models.evict_selected()
+    assert not repo_dir.exists() and DRAFTER not in rows(win) and "evicted" in win.models.detail.text()
+
+
+def test_models_refuses_to_evict_the_loaded_model(win, qtbot, tmp_path):
+    with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS):
+        assert win.models.select(TARGET)
+        win.models.load_selected()
+    assert rows(win)[TARGET][-1] == "loaded"
+    win.models.confirm = lambda title, text: True
+    assert win.models.select(TARGET) and not win.models.evict_selected()
+    assert "loaded right now" in win.models.detail.text()
+    assert (tmp_path / "hub" / "models--org--tiny-target").exists()
+
+
+def test_models_download_offline_is_a_clean_error(win, qtbot, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    models = win.models
+    models.repo_input.setText("org/absent")
+    with qtbot.waitSignal(models.download_button.clicked, timeout=1000):
+        models.download_button.click()
+    qtbot.waitUntil(lambda: not models.downloading and models.download_button.isEnabled(), timeout=WAIT_MS)
+    assert "offline" in models.download_status.text() and "org/absent" in models.download_status.text()
+    assert models.progress.value() == 0
+
+
+def test_models_download_shows_progress_and_lands_in_the_table(win, qtbot, monkeypatch):
+    from huggingface_hub import constants
+
+    from tests.test_app_hub import FILES
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    models = win.models
+    with FakeHub(FILES) as fake:
+        models.endpoint = fake.url
+        with qtbot.waitSignal(models.progress.valueChanged, timeout=WAIT_MS):
+            t = models.start_download("org/fresh")
+        qtbot.waitUntil(lambda: t.isFinished(), timeout=WAIT_MS)
+        qtbot.waitUntil(lambda: models.download_button.isEnabled(), timeout=WAIT_MS)
+    assert models.progress.value() == 1000 and "in the cache" in models.download_status.text()
+    assert rows(win)["org/fresh"][1:3] == ["hf-cache", "target"]
+    assert models.selected_entry().name == "org/fresh"
