@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 
-from PySide6.QtCore import QObject, QThread, Signal
+from PySide6.QtCore import Qt, QObject, QThread, Signal
 
 from app.telemetry_model import TelemetryBuffer
 
@@ -119,6 +119,8 @@ class EngineHost(QObject):
         bridge.generate_requested.connect(self.worker.generate)
         bridge.race_requested.connect(self.worker.race)
         bridge.calibrate_requested.connect(self.worker.calibrate)
+        # Runs in the worker thread just before it ends (MLX streams are thread-bound).
+        self.thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
 
     def start(self) -> None:
         self.thread.start()

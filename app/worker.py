@@ -48,6 +48,13 @@ class EngineWorker(QObject):
         self._device_sent = False
         self._bandwidth: Optional[float] = None
 
+    @Slot()
+    def release(self) -> None:
+        """Drop this thread's MLX streams as the thread ends: with MLX 0.32 a thread that ran
+        compiled functions can otherwise abort the process at exit."""
+        if "mlx.core" in sys.modules:
+            sys.modules["mlx.core"].clear_streams()
+
     # -- loading ---------------------------------------------------------------------------------
     @Slot(object, object)
     def load(self, spec: Optional[str], drafter: Optional[str]) -> None:
