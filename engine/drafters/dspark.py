@@ -1,0 +1,106 @@
+"""DSpark drafter: B drafts from the B block slots (the anchor's slot predicts the first),
+chained left to right through the Markov head, optionally cut short by the confidence head.
+
+Slot k's logits are ``lm_head(h_k) + W2·W1[x_{k-1}]`` with x_0 the anchor and x_{k-1} the token
+actually chosen at slot k-1 (argmax when greedy, a sample from the truncated distribution q_k
+when sampling; q_k is what the verify rule receives). The confidence head scores slot k from
+``[h_k; W1[x_{k-1}]]``; the draft keeps slots while the running product of the scores stays at
+or above the threshold. That decision for slot k depends only on the tokens before it, so it
+is a stopping rule and the verify rule stays exact; greedy output never changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import mlx.core as mx
+
+from engine.drafters.base import Draft
+from engine.drafters.block import BlockConfig, BlockDrafter, DSparkModel
+from engine.errors import TandemError
+from engine.sampling import Sampler, sample_from
+
+if TYPE_CHECKING:
+    from engine.target import Target
+
+
+def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler
+                 ) -> tuple[mx.array, mx.array | None, mx.array]:
+    """Draft tokens [k], their distributions q [k, V] (None when greedy) and the previous
+    token of each slot [k] from block states h [k, H]. All lazy."""
+    base = model.logits(h)
+    head = getattr(model, "markov_head", None)
+    prev = mx.array(anchor, dtype=mx.uint32)
+    if head is None:  # no chain: every slot is independent
+        if sampler.greedy:
+            q, tokens = None, mx.argmax(base, axis=-1).astype(mx.uint32)
+        else:
+            q = sampler.probs(base)
+            tokens = sample_from(q, sampler.next_key()).astype(mx.uint32)
+        return tokens, q, mx.concatenate([prev[None], tokens[:-1]])
+    state = head.initial_state(h.dtype)
+    tokens, probs, prevs = [], [], []
+    for k in range(h.shape[0]):
+        bias, state = head.step(prev, h[k], state)
+        logits = base[k] + bias
+        prevs.append(prev)
+        if sampler.greedy:
+            tok = mx.argmax(logits)
+        else:
+            q = sampler.probs(logits)
+            probs.append(q)
+            tok = sample_from(q, sampler.next_key())
+        prev = tok.astype(mx.uint32)
+        tokens.append(prev)
+    return mx.stack(tokens), (mx.stack(probs) if probs else None), mx.stack(prevs)
+
+
+def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
+    """c_k = sigmoid(w·[h_k; W1[x_{k-1}]] + b) per slot [k]."""
+    feats = h
+    if model.cfg.confidence_head_with_markov:
+        feats = mx.concatenate([h, model.markov_head.markov_w1(prevs).astype(h.dtype)], axis=-1)
+    return model.confidence_head(feats)
+
+
+def confident_prefix(conf: mx.array, threshold: float) -> int:
+    """How many leading slots keep the running product of confidences >= threshold."""
+    alive = mx.cumprod(conf.astype(mx.float32)) >= threshold
+    return int(mx.cumprod(alive.astype(mx.int32)).sum().item())
+
+
+class DSparkDrafter(BlockDrafter):
+    name = "dspark"
+
+    def __init__(self, model: DSparkModel, cfg: BlockConfig, target: "Target", *,
+                 confidence_threshold: float | Callable[[], float | None] | None = None):
+        """``confidence_threshold``: a value, or a callable read at every proposal (the
+        engine's setting, so changing it needs no reload). None or 0: no truncation."""
+        super().__init__(model, cfg, target)
+        self._threshold = confidence_threshold if callable(confidence_threshold) else (lambda: confidence_threshold)
+        self.threshold()  # validate now
+
+    def threshold(self) -> float | None:
+        value = self._threshold()
+        if value is None:
+            return None
+        if not 0.0 <= float(value) <= 1.0:
+            raise TandemError(f"confidence threshold must be in [0, 1], got {value}")
+        return float(value) if value > 0 and self.cfg.confidence_head else None
+
+    def embed(self, ids: mx.array) -> mx.array:
+        return self.model.embed_tokens(ids)
+
+    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        cap = min(int(cap), self.max_draft)
+        if cap <= 0:
+            return None
+        h = self.block_states(ids)[:cap]  # the backbone always runs the full block
+        tokens, q, prevs = chain_tokens(self.model, h, int(ids[-1]), sampler)
+        threshold = self.threshold()
+        if threshold is not None:
+            keep = confident_prefix(confidences(self.model, h, prevs), threshold)
+            if keep == 0:
+                return None
+            tokens, q = tokens[:keep], (None if q is None else q[:keep])
+        return Draft(tokens, q)
