@@ -92,10 +92,16 @@ def reference_block(weights: dict, cfg: dict, ctx_hidden: np.ndarray, block_ids:
         k = rms((src @ g[p + "self_attn.k_proj.weight"].T).reshape(m + b, nkv, d), g[p + "self_attn.k_norm.weight"], eps)
         v = (src @ g[p + "self_attn.v_proj.weight"].T).reshape(m + b, nkv, d)
         q, k = rope(q, pos_blk, theta), rope(k, np.concatenate([pos_ctx, pos_blk]), theta)
+        # DFlash sliding_attention layers are causal and windowed; everything else sees all.
+        q_pos, k_pos = pos_blk[:, None], np.arange(m + b)[None, :]
+        visible = np.ones((b, m + b), dtype=bool)
+        if (cfg.get("layer_types") or ["full_attention"] * (i + 1))[i] == "sliding_attention":
+            visible = (k_pos <= q_pos) & (q_pos - k_pos < cfg["sliding_window"])
         out = np.zeros((b, nh, d))
         for j in range(nh):
             kj = j // (nh // nkv)
             s = q[:, j] @ k[:, kj].T / np.sqrt(d)
+            s = np.where(visible, s, -np.inf)
             s = np.exp(s - s.max(-1, keepdims=True))
             out[:, j] = (s / s.sum(-1, keepdims=True)) @ v[:, kj]
         x = x + out.reshape(b, nh * d) @ g[p + "self_attn.o_proj.weight"].T
@@ -205,13 +211,16 @@ def test_new_model_saves_in_the_same_format_and_reloads(tmp_path):
 # ----------------------------------------------------------------------------------------
 # the block forward and the heads
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash-sliding"])
 def test_append_only_context_matches_a_clean_numpy_forward(tmp_path, kind):
     engine = make_tiny_engine("qwen3", seed=2)
     if kind == "dspark":
         path = write_dspark(tmp_path / kind, engine, layers=2, taps=[0, 2], copy_head=False)
     else:
         path = write_dflash(tmp_path / kind, engine, layers=2, taps=[0, 2], block_size=6)
+        if kind == "dflash-sliding":  # z-lab: sliding_attention layers are causal and windowed
+            _edit(path, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+        kind = "dflash"
     drafter = drafter_for(engine, path, kind)
     target = engine.target
     target.set_taps(drafter.tap_layers)
@@ -635,3 +644,15 @@ def test_repo_id_resolves_only_from_the_local_hf_cache(tmp_path, monkeypatch):
     assert block.resolve_drafter_path("someone/tiny-dspark") == snap
     engine.drafter_path = "someone/tiny-dspark"
     assert engine.generate([5, 6, 7], mode="dspark", max_new_tokens=5).generated == 5
+
+
+def test_checkpoint_script_writes_loadable_drafters(tmp_path, capsys):
+    engine = make_tiny_engine("qwen3", seed=1)
+    (tmp_path / "target.json").write_text(json.dumps(ck.target_config_of(engine.model)))
+    for kind in ("dspark", "dflash"):
+        args = ["--kind", kind, "--out", str(tmp_path / kind), "--target-config", str(tmp_path / "target.json"),
+                "--markov-rank", "8", "--mask-token-id", "2"]
+        assert ck.main(args) == 0
+        _, cfg = load_checkpoint(tmp_path / kind, engine.target, mode=kind)
+        assert cfg.tap_layers == (1,) and cfg.mask_token_id == 2  # 4 layers: taps 1..N-3 = [1]
+    assert "dflash drafter for a 4-layer H=64 V=96 target" in capsys.readouterr().out
