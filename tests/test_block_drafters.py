@@ -543,14 +543,12 @@ def test_quantization_policy_follows_the_backend(monkeypatch, tiny_qwen3):
     assert platform.backend() != "metal" and block.drafter_bits(tiny_qwen3) is None  # CPU: float32
     monkeypatch.setattr(platform, "backend", lambda: "metal")
     assert block.drafter_bits(tiny_qwen3) == 4
-    tiny_qwen3.drafter_bits = 8
-    assert block.drafter_bits(tiny_qwen3) == 8
-    tiny_qwen3.drafter_bits = 16
-    assert block.drafter_bits(tiny_qwen3) is None
-    tiny_qwen3.drafter_bits = 7
+    for bits, want in ((8, 8), (16, None), (0, None)):
+        monkeypatch.setattr(tiny_qwen3, "drafter_bits", bits)
+        assert block.drafter_bits(tiny_qwen3) == want
+    monkeypatch.setattr(tiny_qwen3, "drafter_bits", 7)
     with pytest.raises(TandemError, match="drafter bits"):
         block.drafter_bits(tiny_qwen3)
-    tiny_qwen3.drafter_bits = None
 
 
 # ----------------------------------------------------------------------------------------
