@@ -143,14 +143,18 @@ class Engine:
     def drafter(self, mode: str) -> Drafter | None:
         from engine import modes
 
-        key = (mode, self.drafter_path, self.draft_model_spec)
+        key = self._drafter_key(mode)
         if key not in self._drafters:
             self._drafters[key] = modes.make_drafter(self, mode)
         return self._drafters[key]
 
     def set_drafter(self, mode: str, drafter: Drafter | None) -> None:
         """Use this drafter instance for ``mode`` (a custom or pre-built drafter)."""
-        self._drafters[(mode, self.drafter_path, self.draft_model_spec)] = drafter
+        self._drafters[self._drafter_key(mode)] = drafter
+
+    def _drafter_key(self, mode: str) -> tuple:
+        # Anything that changes how the drafter is built must be part of its cache key.
+        return mode, self.drafter_path, self.draft_model_spec, self.drafter_bits
 
     def default_cap(self, mode: str, drafter: Drafter | None) -> int:
         from engine import modes

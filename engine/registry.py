@@ -53,7 +53,7 @@ def base_name(name: str) -> str:
 
 
 def registry_path() -> Path:
-    from engine.drafters.block import resources_dir
+    from engine.paths import resources_dir
 
     return resources_dir() / "registry.json"
 

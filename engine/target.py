@@ -83,11 +83,12 @@ class Target:
         probe = self._probe_ids()
         reference = self._full_logits(probe)
         self._split = False
+        # The residual width, read from a forward (a quantized embedding's weight is packed).
+        self.hidden_size = int(self.trunk(probe, make_prompt_cache(self.model)).shape[-1])
         try:
             self._split = _close(self._split_logits(probe), reference)
         except Exception:  # a model whose trunk has a different signature: use the full call
             self._split = False
-        self.hidden_size = int(self.trunk.embed_tokens.weight.shape[-1]) if hasattr(self.trunk, "embed_tokens") else 0
         self.vocab_size = int(reference.shape[-1])
 
     # -- construction helpers -------------------------------------------------------------

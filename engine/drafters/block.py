@@ -502,8 +502,7 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 # ----------------------------------------------------------------------------------------
 # Files
 # ----------------------------------------------------------------------------------------
-def resources_dir() -> Path:
-    return Path(__file__).resolve().parents[2] / "resources"
+from engine.paths import resources_dir  # noqa: E402  (re-exported: the registry and tests use it)
 
 
 def resolve_drafter_path(spec: str) -> Path:
