@@ -1,0 +1,407 @@
+"""``tandem benchmark``: modes side by side on chat, code and math prompts.
+
+Every (mode, cap) arm runs on every prompt in every trial, arms interleaved and rotated, so a
+busy machine slows all arms alike instead of whichever ran during the burst. Reported per arm:
+decode tok/s (median over trials of total tokens / total decode seconds), its ratio to baseline
+(median of per-trial ratios), committed tokens per verify round, the share of the memory
+roofline, and the lossless check: every arm's tokens must equal baseline's. A divergence is
+reported with the top-2 logit margin of a clean re-run of baseline's prefix, which tells an
+exact floating-point near-tie (acceptable) from a bug.
+
+The prompt sets come from the team's shared data folder (``TANDEM_PROMPTS_DIR`` or
+``<repo>/../shared/data/prompts``); the shipped product does not include them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from engine.errors import TandemError
+
+if TYPE_CHECKING:
+    from engine.generate import Engine, GenerationResult
+
+CLASSES = {"chat": "mt-bench.jsonl", "code": "humaneval.jsonl", "math": "gsm8k.jsonl"}
+TIE_MARGIN = 1e-3  # top-2 logit gap (relative to max(1, |top-1|)) below which a flip is a near-tie
+
+
+# ===================================================================== prompts
+def prompts_dir() -> Path:
+    env = os.environ.get("TANDEM_PROMPTS_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+
+
+def load_prompts(classes: Sequence[str] = ("chat", "code", "math"), per_class: int = 3,
+                 folder: Path | None = None) -> list[tuple[str, str]]:
+    """(class, first user turn) for the first ``per_class`` prompts of each class."""
+    folder = folder or prompts_dir()
+    out = []
+    for cls in classes:
+        if cls not in CLASSES:
+            raise TandemError(f"unknown prompt class '{cls}': choose from {', '.join(CLASSES)}")
+        path = folder / CLASSES[cls]
+        if not path.is_file():
+            raise TandemError(f"benchmark prompts not found: {path} is missing (the prompt sets are not shipped; "
+                              f"set TANDEM_PROMPTS_DIR to a folder holding {', '.join(CLASSES.values())})")
+        taken = 0
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if taken >= per_class:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    turns = json.loads(line)["turns"]
+                    text = turns[0] if isinstance(turns, list) else turns
+                except (ValueError, KeyError, IndexError, TypeError):
+                    raise TandemError(f"{path}:{n}: expected a JSON object with a 'turns' list")
+                out.append((cls, str(text)))
+                taken += 1
+    return out
+
+
+# ===================================================================== arms
+@dataclass(frozen=True)
+class Arm:
+    mode: str
+    cap: int | str | None = None  # None: the mode's default cap
+
+    @property
+    def name(self) -> str:
+        return self.mode if self.mode == "baseline" or self.cap is None else f"{self.mode}@{self.cap}"
+
+
+def make_arms(modes: Sequence[str], caps: Sequence[int | str | None] = (None,)) -> list[Arm]:
+    """Baseline first (always: it is the reference), then every speculative mode at every cap."""
+    arms = [Arm("baseline")]
+    for mode in modes:
+        if mode == "baseline":
+            continue
+        for cap in caps or (None,):
+            if Arm(mode, cap) not in arms:
+                arms.append(Arm(mode, cap))
+    return arms
+
+
+def parse_caps(text: str | None) -> list[int | str | None]:
+    if not text:
+        return [None]
+    caps: list[int | str | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "auto":
+            caps.append("auto")
+        else:
+            try:
+                caps.append(int(part))
+            except ValueError:
+                raise TandemError(f"--max-draft takes integers or 'auto', comma-separated; got '{part}'")
+    return caps
+
+
+# ===================================================================== the lossless check
+def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """Index of the first differing token; None when equal or one is a prefix of the other
+    (a length difference alone is not a divergence)."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None
+
+
+def divergence_margin(engine: "Engine", prompt_ids: Sequence[int], prefix: Sequence[int]) -> dict:
+    """The target's top-2 at the position after ``prompt_ids + prefix``, from a clean cache."""
+    import mlx.core as mx
+
+    target = engine.target
+    forwards = target.forwards
+    logits, _ = target.prefill(list(prompt_ids) + list(prefix), target.new_cache())
+    target.forwards = forwards
+    logits = logits.astype(mx.float32)
+    top = mx.argsort(-logits)[:2].tolist()
+    v1, v2 = logits[top[0]].item(), logits[top[1]].item()
+    return {"top1": int(top[0]), "top2": int(top[1]), "logit1": v1, "logit2": v2, "margin": v1 - v2,
+            "near_tie": (v1 - v2) <= TIE_MARGIN * max(1.0, abs(v1))}
+
+
+def check_lossless(engine: "Engine", prompt_ids: Sequence[int], reference: Sequence[int], other: Sequence[int],
+                   arm: str = "") -> dict | None:
+    """None when ``other`` reproduces ``reference``; else a report of the first divergence."""
+    i = first_divergence(reference, other)
+    if i is None:
+        return None
+    report = {"arm": arm, "index": i, "baseline_token": int(reference[i]), "arm_token": int(other[i])}
+    report.update(divergence_margin(engine, prompt_ids, reference[:i]))
+    report["arm_token_is_top2"] = report["arm_token"] in (report["top1"], report["top2"])
+    return report
+
+
+# ===================================================================== running
+def _tps(results: Sequence["GenerationResult"]) -> float:
+    tokens = sum(max(0, r.generated - 1) for r in results)
+    seconds = sum(r.decode_s for r in results)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def _accept_per_round(results: Sequence["GenerationResult"]) -> float:
+    rounds = [rd for r in results for rd in r.rounds[1:]]
+    return (sum(a for _, a in rounds) + len(rounds)) / len(rounds) if rounds else 0.0
+
+
+def modeled_seconds(cal: Any, result: "GenerationResult") -> float:
+    """Decode time the calibrated cost model assigns to this generation's actual rounds: each
+    round verify(drafted + 1) plus the drafter's and the loop's overhead. Free of the timing
+    noise of a shared machine, it compares how well arms *choose* their rounds."""
+    total = 0.0
+    for drafted, _ in result.rounds[1:]:  # round 0 is the prefill's token
+        if result.mode == "baseline":
+            total += cal.verify(1) + cal.step_overhead_ms
+        else:
+            total += cal.verify(drafted + 1) + cal.draft(drafted) + cal.overhead_ms
+    return total / 1000.0
+
+
+def _model_tps(cal: Any, results: Sequence["GenerationResult"]) -> float:
+    tokens = sum(max(0, r.generated - 1) for r in results)
+    seconds = sum(modeled_seconds(cal, r) for r in results)
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def stamp(engine: "Engine") -> dict:
+    """What the figures depend on: machine, backend, MLX, model."""
+    import mlx.core as mx
+
+    from engine import platform
+    from engine.calibrate import model_precision
+
+    loaded = getattr(engine, "loaded", None)
+    return {"device": platform.device_name(), "backend": platform.backend(), "mlx": mx.__version__,
+            "model": engine.name, "model_path": str(getattr(loaded, "path", "") or ""),
+            "precision": model_precision(engine.target.model), "drafter": engine.drafter_path,
+            "draft_model": engine.draft_model_spec, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, trials: int = 3,
+                  max_new_tokens: int = 128, progress: Callable[[int, int, str], None] | None = None,
+                  bandwidth: float | None = None, calibration_progress: Callable | None = None) -> dict:
+    """Run every arm on every prompt ``trials`` times; returns the report (JSON-ready).
+
+    ``prompts``: (class, prompt) where prompt is text (chat-templated) or token ids."""
+    from engine.calibrate import calibrate
+    from engine.roofline import RooflineModel, measure_bandwidth
+
+    if not prompts:
+        raise TandemError("no prompts to benchmark")
+    if trials < 1 or max_new_tokens < 2:
+        raise TandemError("benchmark needs --trials >= 1 and --max-new-tokens >= 2")
+    arms = list(arms)
+    if not arms or arms[0] != Arm("baseline"):
+        arms = [Arm("baseline")] + [a for a in arms if a.mode != "baseline"]
+    calibrations = {}
+    for arm in arms:  # measure (or load) calibrations before any timing starts
+        if arm.mode != "baseline" and arm.mode not in calibrations:
+            cal = calibrate(engine, arm.mode, engine.drafter(arm.mode), progress=calibration_progress)
+            calibrations[arm.mode] = cal
+    if bandwidth is None:
+        bandwidth = next((c.bandwidth for c in calibrations.values() if c.bandwidth), None) or measure_bandwidth()
+
+    encoded = [engine.encode(p) for _, p in prompts]
+    total = len(arms) + trials * len(prompts) * len(arms)
+    done = 0
+
+    def gen(arm: Arm, ids: list[int], n: int) -> "GenerationResult":
+        return engine.generate(ids, mode=arm.mode, max_new_tokens=n, max_draft=arm.cap)
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    for arm in arms:  # warm-up: first-call allocations, kernel selection
+        gen(arm, encoded[0], 8)
+        tick(f"warm-up {arm.name}")
+
+    results: dict[str, list[list["GenerationResult"]]] = {a.name: [[None] * len(prompts) for _ in range(trials)]
+                                                         for a in arms}
+    for trial in range(trials):
+        for j, ids in enumerate(encoded):
+            shift = (trial * len(prompts) + j) % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                r = gen(arm, ids, max_new_tokens)
+                results[arm.name][trial][j] = r
+                tick(f"{arm.name} {r.decode_tps:.1f} tok/s")
+
+    reference = [r.token_ids for r in results["baseline"][0]]
+    divergences = []
+    for arm in arms:
+        for trial in range(trials):
+            for j, r in enumerate(results[arm.name][trial]):
+                if arm.name == "baseline" and trial == 0:
+                    continue
+                bad = check_lossless(engine, encoded[j], reference[j], r.token_ids, arm.name)
+                if bad is not None:
+                    bad.update(trial=trial, prompt=j, cls=prompts[j][0])
+                    divergences.append(bad)
+
+    roof = RooflineModel.from_engine(engine, bandwidth)
+    any_cal = next(iter(calibrations.values()), None)
+    classes = sorted({c for c, _ in prompts}, key=[c for c, _ in prompts].index)
+    base_tps = [_tps(results["baseline"][t]) for t in range(trials)]
+    report_arms = {}
+    for arm in arms:
+        per_trial = results[arm.name]
+        tps = [_tps(rs) for rs in per_trial]
+        flat = [r for rs in per_trial for r in rs]
+        context = statistics.mean(r.prompt_tokens + r.generated / 2 for r in flat)
+        entry = {
+            "mode": arm.mode, "cap": arm.cap if arm.cap is not None else flat[0].cap,
+            "tok_s": statistics.median(tps), "tok_s_trials": tps,
+            "ratio": statistics.median(t / b for t, b in zip(tps, base_tps) if b > 0) if any(base_tps) else None,
+            "accept_per_round": _accept_per_round(flat),
+            "tokens": sum(r.generated for r in per_trial[0]),
+            "target_forwards": sum(r.target_forwards for r in per_trial[0]),
+            "x_roofline": roof.fraction(statistics.median(tps), int(context)),
+            "lossless": not any(d["arm"] == arm.name for d in divergences),
+            "classes": {},
+        }
+        # best of trials per prompt: contention only ever adds time, so the fastest run of each
+        # prompt is the least noisy estimate of what the arm costs
+        best_s = sum(min(per_trial[t][j].decode_s for t in range(trials)) for j in range(len(prompts)))
+        best_base_s = sum(min(results["baseline"][t][j].decode_s for t in range(trials)) for j in range(len(prompts)))
+        tokens = sum(max(0, r.generated - 1) for r in per_trial[0])
+        entry["best_tok_s"] = tokens / best_s if best_s > 0 else 0.0
+        base_tokens = sum(max(0, r.generated - 1) for r in results["baseline"][0])
+        entry["best_ratio"] = entry["best_tok_s"] / (base_tokens / best_base_s) if best_base_s > 0 else None
+        cal = calibrations.get(arm.mode, any_cal)
+        if cal is not None:  # the same rounds priced by the cost model (noise-free)
+            model = [_model_tps(cal, rs) for rs in per_trial]
+            model_base = [_model_tps(cal, rs) for rs in results["baseline"]]
+            entry["model_tok_s"] = statistics.median(model)
+            entry["model_ratio"] = statistics.median(a / b for a, b in zip(model, model_base))
+        for cls in classes:
+            idx = [j for j, (c, _) in enumerate(prompts) if c == cls]
+            c_tps = [_tps([per_trial[t][j] for j in idx]) for t in range(trials)]
+            b_tps = [_tps([results["baseline"][t][j] for j in idx]) for t in range(trials)]
+            entry["classes"][cls] = {
+                "tok_s": statistics.median(c_tps),
+                "ratio": statistics.median(a / b for a, b in zip(c_tps, b_tps) if b > 0) if any(b_tps) else None,
+                "accept_per_round": _accept_per_round([per_trial[t][j] for t in range(trials) for j in idx]),
+            }
+        report_arms[arm.name] = entry
+
+    mean_context = int(statistics.mean(len(ids) + max_new_tokens / 2 for ids in encoded))
+    return {
+        **stamp(engine),
+        "trials": trials, "max_new_tokens": max_new_tokens,
+        "prompts": [{"class": c, "prompt": (p[:80] if isinstance(p, str) else f"<{len(p)} token ids>"),
+                     "prompt_tokens": len(ids)} for (c, p), ids in zip(prompts, encoded)],
+        "arms": report_arms,
+        "roofline": roof.summary(mean_context, report_arms["baseline"]["tok_s"]),
+        "calibrations": {m: {"key": c.key, "default_cap": _static(c)} for m, c in calibrations.items()},
+        "lossless": not divergences,
+        "divergences": divergences,
+    }
+
+
+def _static(cal: Any) -> int:
+    from engine.calibrate import static_cap
+
+    return static_cap(cal)
+
+
+def format_report(report: dict) -> str:
+    classes = list(next(iter(report["arms"].values()))["classes"])
+    head = f"{'arm':<14}{'tok/s':>8}{'x base':>8}{'best':>8}{'x base':>8}{'model':>8}{'x base':>8}{'acc/rnd':>9}{'x roof':>8}  " + "".join(
+        f"{c + ' tok/s (x)':>20}" for c in classes) + "  lossless"
+    lines = [f"{report['model']} on {report['device']} ({report['backend']}, MLX {report['mlx']}, "
+             f"{report['precision']}) | {len(report['prompts'])} prompts x {report['trials']} trials, "
+             f"{report['max_new_tokens']} new tokens", head]
+    for name, a in report["arms"].items():
+        per_class = "".join(f"{c['tok_s']:>12.1f} ({c['ratio']:.2f})" if c["ratio"] is not None else f"{c['tok_s']:>20.1f}"
+                            for c in a["classes"].values())
+        model = f"{a['model_tok_s']:8.1f}{a['model_ratio']:8.2f}" if "model_tok_s" in a else f"{'-':>8}{'-':>8}"
+        lines.append(f"{name:<14}{a['tok_s']:8.1f}{a['ratio']:8.2f}{a['best_tok_s']:8.1f}{a['best_ratio']:8.2f}{model}{a['accept_per_round']:9.2f}{a['x_roofline']:8.2f}  "
+                     f"{per_class}  {'yes' if a['lossless'] else 'NO'}")
+    roof = report["roofline"]
+    lines.append("tok/s: median over trials; best: each prompt's fastest trial (contention only adds time)")
+    if any("model_tok_s" in a for a in report["arms"].values()):
+        lines.append("model: the same rounds priced by this machine's calibrated cost curves (no timing noise)")
+    lines.append(f"roofline: {roof['bytes_per_token'] / 1e6:.1f} MB/token at {roof['context']} tokens, "
+                 f"{roof['bandwidth_gbs']:.1f} GB/s -> ceiling {roof['ceiling_tps']:.1f} tok/s; "
+                 f"baseline reaches {roof.get('baseline_fraction', 0):.2f} of it")
+    for d in report["divergences"]:
+        kind = "near-tie" if d["near_tie"] else "MISMATCH"
+        lines.append(f"divergence ({kind}): {d['arm']} trial {d['trial']} prompt {d['prompt']} ({d['cls']}) at token "
+                     f"{d['index']}: baseline {d['baseline_token']} vs {d['arm_token']}; clean re-run top-2 "
+                     f"{d['top1']}/{d['top2']} margin {d['margin']:.3g}")
+    if not report["divergences"]:
+        lines.append("lossless: every arm reproduced baseline's tokens on every prompt and trial")
+    return "\n".join(lines)
+
+
+# ===================================================================== tandem benchmark
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from engine.cli_generate import add_model_arguments
+
+    add_model_arguments(p)
+    p.add_argument("--modes", default="baseline,lookup",
+                   help="comma-separated modes (baseline is always included as the reference)")
+    p.add_argument("--max-draft", default=None,
+                   help="draft cap(s) for the speculative modes: integers and/or 'auto', comma-separated "
+                        "(e.g. 2,4,8,16,32,auto sweeps them); default: each mode's default cap")
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts-per-class", type=int, default=3)
+    p.add_argument("--classes", default="chat,code,math", help=f"comma-separated, from: {', '.join(CLASSES)}")
+    p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR "
+                                                       "or ../shared/data/prompts next to the repository)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
+
+
+def _bar(desc: str) -> tuple[Callable[[int, int, str], None], Callable[[], None]]:
+    from engine.calibrate import tqdm_progress
+
+    return tqdm_progress(desc)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.cli_generate import load_engine
+    from engine.generate import MODES
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES or m == "auto"]
+    if bad:
+        raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
+    if args.prompts_per_class < 1:
+        raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
+    classes = [c.strip() for c in args.classes.split(",") if c.strip()]
+    prompts = load_prompts(classes, args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
+    caps = parse_caps(args.max_draft)
+    eng = load_engine(args)
+    arms = make_arms(modes, caps)
+    cal_progress, cal_close = _bar("calibrating")
+    progress, close = _bar(f"benchmark {eng.name}")
+    try:
+        report = run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
+                               progress=progress, calibration_progress=cal_progress)
+    finally:
+        cal_close()
+        close()
+    print(format_report(report))
+    if args.json:
+        Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).expanduser().write_text(json.dumps(report, indent=1))
+        print(f"report: {args.json}", file=sys.stderr)
+    mismatches = [d for d in report["divergences"] if not d["near_tie"]]
+    return 3 if mismatches else 0

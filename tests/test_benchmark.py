@@ -1,0 +1,157 @@
+"""Benchmark: prompt loading, arms, the lossless check (a planted mismatch is caught and its
+margin comes from a real clean re-run) and a whole run on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from engine import benchmark as B
+from engine.cli import main
+from engine.errors import TandemError
+from tests.tiny import make_tiny_engine
+
+COPY = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return make_tiny_engine(seed=3, scale=4.0)  # stretched logits: no near-ties
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_first_divergence():
+    assert B.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert B.first_divergence([1, 2, 3], [1, 2]) is None  # length alone is not a divergence
+    assert B.first_divergence([1, 2, 3], [1, 9, 3]) == 1
+
+
+def test_planted_mismatch_is_caught_with_a_real_margin(eng):
+    base = eng.generate(COPY, mode="baseline", max_new_tokens=20).token_ids
+    planted = list(base)
+    planted[6] = (base[6] + 1) % 96
+    report = B.check_lossless(eng, COPY, base, planted, "lookup@4")
+    assert report["index"] == 6 and report["arm"] == "lookup@4"
+    assert report["baseline_token"] == base[6] and report["arm_token"] == planted[6]
+    # the clean re-run of baseline's prefix reproduces baseline's choice as the top-1
+    logits, _ = eng.target.prefill(COPY + base[:6], eng.target.new_cache())
+    top = mx.argsort(-logits)[:2].tolist()
+    assert report["top1"] == base[6] == top[0] and report["top2"] == top[1]
+    assert report["margin"] == pytest.approx(logits[top[0]].item() - logits[top[1]].item())
+    assert report["margin"] > 0 and not report["near_tie"]
+    assert B.check_lossless(eng, COPY, base, list(base), "x") is None
+
+
+def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
+    prompts = [("code", COPY), ("chat", list(range(2, 30)))]
+    arms = B.make_arms(["lookup"], [4, "auto"])
+    ticks = []
+    report = B.run_benchmark(eng, prompts, arms, trials=2, max_new_tokens=24,
+                             progress=lambda d, t, s: ticks.append((d, t)))
+    assert report["lossless"] and report["divergences"] == []
+    assert list(report["arms"]) == ["baseline", "lookup@4", "lookup@auto"]
+    base = report["arms"]["baseline"]
+    assert base["ratio"] == pytest.approx(1.0) and base["accept_per_round"] == 1.0
+    look = report["arms"]["lookup@4"]
+    assert look["cap"] == 4 and look["accept_per_round"] > 1.0  # the copy prompt repeats
+    assert look["target_forwards"] < base["target_forwards"]
+    assert look["tokens"] == base["tokens"] and len(look["tok_s_trials"]) == 2
+    assert set(look["classes"]) == {"code", "chat"}
+    assert report["arms"]["lookup@auto"]["cap"] == "auto" and "lookup" in report["calibrations"]
+    assert ticks[-1][0] == ticks[-1][1] == 3 + 2 * 2 * 3
+    for stamp in ("device", "backend", "mlx", "model", "precision"):
+        assert report[stamp]
+    assert report["roofline"]["ceiling_tps"] > 0
+    json.dumps(report)
+    text = B.format_report(report)
+    assert "lookup@auto" in text and "lossless: every arm" in text
+
+
+def test_run_benchmark_reports_a_planted_mismatch(eng, cache_dir, monkeypatch):
+    real = eng.generate
+
+    def corrupt(prompt, **kw):  # an arm that gets one token wrong
+        res = real(prompt, **kw)
+        if kw.get("mode") == "lookup" and len(res.token_ids) > 3:
+            res.token_ids = res.token_ids[:3] + [(res.token_ids[3] + 1) % 96] + res.token_ids[4:]
+        return res
+
+    monkeypatch.setattr(eng, "generate", corrupt)
+    report = B.run_benchmark(eng, [("code", COPY)], B.make_arms(["lookup"], [4]), trials=1, max_new_tokens=12)
+    assert not report["lossless"] and not report["arms"]["lookup@4"]["lossless"]
+    assert report["arms"]["baseline"]["lossless"]
+    (d,) = report["divergences"]
+    assert d["arm"] == "lookup@4" and d["index"] == 3 and not d["near_tie"]
+    assert "MISMATCH" in B.format_report(report)
+
+
+def test_arms_and_caps():
+    arms = B.make_arms(["lookup", "baseline", "draft"], [2, "auto"])
+    assert [a.name for a in arms] == ["baseline", "lookup@2", "lookup@auto", "draft@2", "draft@auto"]
+    assert [a.name for a in B.make_arms(["lookup"])] == ["baseline", "lookup"]
+    assert B.parse_caps("2, 8,auto") == [2, 8, "auto"] and B.parse_caps(None) == [None]
+    with pytest.raises(TandemError, match="'x'"):
+        B.parse_caps("2,x")
+
+
+def test_prompts_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_PROMPTS_DIR", str(tmp_path))
+    with pytest.raises(TandemError, match="not found.*mt-bench.jsonl"):
+        B.load_prompts(["chat"], 1)
+    (tmp_path / "mt-bench.jsonl").write_text('{"turns": ["hi", "again"]}\n\n{"turns": ["two"]}\n{"turns": ["3"]}\n')
+    (tmp_path / "gsm8k.jsonl").write_text('{"turns": ["1+1?"]}\n{"nope": 1}\n')
+    assert B.load_prompts(["chat", "math"], 1) == [("chat", "hi"), ("math", "1+1?")]
+    assert B.load_prompts(["chat"], 2) == [("chat", "hi"), ("chat", "two")]
+    with pytest.raises(TandemError, match=r"gsm8k.jsonl:2"):
+        B.load_prompts(["math"], 2)
+    with pytest.raises(TandemError, match="unknown prompt class 'poetry'"):
+        B.load_prompts(["poetry"], 1)
+
+
+def test_shared_prompt_sets_load_when_present(monkeypatch):
+    monkeypatch.delenv("TANDEM_PROMPTS_DIR", raising=False)
+    if not B.prompts_dir().is_dir():
+        pytest.skip("no ../shared/data/prompts next to this checkout")
+    prompts = B.load_prompts(["chat", "code", "math"], 2)
+    assert [c for c, _ in prompts] == ["chat", "chat", "code", "code", "math", "math"]
+    assert "def " in prompts[2][1] and all(p.strip() for _, p in prompts)
+
+
+def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    assert main(["benchmark", "--modes", "baseline,bogus"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown mode 'bogus'" in err
+    monkeypatch.setenv("TANDEM_PROMPTS_DIR", str(tmp_path))
+    assert main(["benchmark", "--classes", "chat"]) == 1  # fails before loading any model
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "benchmark prompts not found" in err
+
+
+def test_cli_benchmark_end_to_end(cache_dir, tmp_path, monkeypatch, capsys):
+    from tests.test_gguf import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, "llama")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for name, text in (("mt-bench", "Tell me about the sea."), ("humaneval", "def add(a, b):"),
+                       ("gsm8k", "What is 2 + 3?")):
+        (prompts / f"{name}.jsonl").write_text(json.dumps({"turns": [text]}) + "\n")
+    monkeypatch.setenv("TANDEM_PROMPTS_DIR", str(prompts))
+    report_path = tmp_path / "out" / "report.json"
+    rc = main(["benchmark", "--model", str(gguf), "--modes", "lookup", "--max-draft", "4,auto", "--trials", "1",
+               "--max-new-tokens", "8", "--prompts-per-class", "1", "--json", str(report_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "lookup@auto" in out and "lossless: every arm" in out
+    report = json.loads(report_path.read_text())
+    assert list(report["arms"]) == ["baseline", "lookup@4", "lookup@auto"] and report["lossless"]
+    assert [p["class"] for p in report["prompts"]] == ["chat", "code", "math"]
+    assert report["model"] and report["mlx"] and report["backend"] == "cpu"

@@ -1,0 +1,319 @@
+"""Calibrator: the cap the cost model picks on known curves, the cache key and the disk cache,
+the --max-draft auto controller on simulated acceptance streams, and a real calibration run on
+a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import mlx.core as mx
+import pytest
+
+from engine import calibrate as C
+from engine.drafters.lookup import LookupDrafter
+from tests.tiny import make_tiny_engine
+
+MAX = 32
+
+
+def syn(verify, **kw) -> C.Calibration:
+    return C.Calibration.synthetic(verify, MAX, **kw)
+
+
+# ------------------------------------------------------------------ cap choice on known curves
+def test_flat_curve_takes_the_largest_cap():
+    cal = syn(lambda w: 50.0)  # verifying more rows is free: every draft is a bonus
+    assert C.best_cap(cal, 0.7) == MAX
+    assert C.static_cap(cal) == MAX
+
+
+def test_linear_curve_parks_speculation():
+    cal = syn(lambda w: 50.0 * w)  # quantized matmul on this CPU: cost grows with every row
+    # rate(1) = (1 + p) / 100 < 1 / 50 for any p < 1: plain steps win
+    assert C.best_cap(cal, 0.7) == 0
+    assert C.best_cap(cal, 0.95) == 0
+    assert C.static_cap(cal) == 1  # a fixed cap never parks; auto does
+
+
+def test_knee_curve_stops_at_the_knee():
+    cal = syn(lambda w: 50.0 if w <= 5 else 50.0 + 40.0 * (w - 5))
+    # up to width 5 drafts are free; the 5th draft would add p^5 = 0.17 tokens for 40 ms while
+    # the round already earns 2.77 tokens per 50 ms
+    assert C.best_cap(cal, 0.7) == 4
+    assert C.best_cap(cal, 0.9) == 4
+
+
+def test_cliff_curve_depends_on_acceptance():
+    cal = syn(lambda w: 50.0 if w == 1 else 100.0)  # bf16-like: 2x at width 2, then flat
+    assert C.best_cap(cal, 0.7) == MAX  # (1 + 0.7/0.3) / 100 > 1 / 50
+    assert C.best_cap(cal, 0.3) == 0  # (1 + 0.3/0.7) / 100 < 1 / 50
+    # never parks: the longest useful cap (past ~18, p^i adds less than 1e-9 of a token)
+    assert C.rate(cal, C.static_cap(cal, 0.3), 0.3) == pytest.approx(C.rate(cal, MAX, 0.3), rel=1e-9)
+
+
+def test_drafter_cost_sets_an_interior_optimum():
+    cal = syn(lambda w: 50.0, draft=lambda c: 10.0 * c)
+    # rates at p=0.8: C=3 2.952/80, C=4 3.3616/90 (best), C=5 3.6893/100
+    assert C.best_cap(cal, 0.8) == 4
+    assert C.rate(cal, 4, 0.8) == pytest.approx(1000 * 3.3616 / 90)
+
+
+def test_round_overhead_can_make_speculation_lose():
+    assert C.best_cap(syn(lambda w: 50.0), 0.3) > 0
+    cal = syn(lambda w: 50.0, overhead_ms=30.0)  # only speculative rounds pay it
+    assert C.best_cap(cal, 0.3) == 0  # at most 1.43 tokens per 80 ms < 1 per 50 ms
+
+
+def test_variable_length_drafts_weight_costs_by_length():
+    cal = syn(lambda w: 50.0 + 10.0 * w)
+    surv = [1.0, 0.5, 0.5, 0.5, 0.5] + [0.0] * 30  # no match half the time, else exactly 4 drafts
+    assert C.expected_ms(cal, 8, surv) == pytest.approx(0.5 * 60 + 0.5 * 100)
+    assert C.expected_tokens(8, 0.9, surv) == pytest.approx(1 + 0.5 * (0.9 + 0.81 + 0.729 + 0.6561))
+    # caps past 4 change nothing, so the smallest of the tied best is chosen
+    assert C.best_cap(cal, 0.9, survival=surv) == 4
+
+
+def test_rates_in_one_pass_match_the_formula():
+    cal = syn(lambda w: 40.0 + 3.0 * w + (15.0 if w > 9 else 0.0), draft=lambda c: 2.0 * c, overhead_ms=4.0,
+              step_overhead_ms=1.0)
+    surv = [1.0, 0.7, 0.7, 0.6, 0.6, 0.5, 0.2] + [0.1] * 30
+    for s in (None, surv):
+        assert C.rates(cal, 0.8, s) == pytest.approx([C.rate(cal, c, 0.8, s) for c in range(MAX + 1)])
+
+
+def test_curve_fit_is_monotone_and_interpolates():
+    cal = C.Calibration("k", {}, [1, 2, 4, 8], [10.0, 14.0, 12.0, 20.0])
+    assert [cal.verify(w) for w in (1, 2, 4, 8)] == [10.0, 13.0, 13.0, 20.0]  # 14/12 pooled
+    assert cal.verify(6) == pytest.approx(16.5)
+    assert cal.verify(40) == 20.0 and cal.verify(0) == 10.0
+    assert cal.max_cap == 7
+
+
+# ------------------------------------------------------------------ cache key and disk cache
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_cache_key_changes_with_every_field(tiny_llama, monkeypatch):
+    drafter = tiny_llama.drafter("lookup")
+    fields = C.key_fields(tiny_llama, "lookup", drafter)
+    assert set(fields) == set(C.KEY_FIELDS)
+    base = C.cache_key(fields)
+    for name in C.KEY_FIELDS:
+        changed = dict(fields, **{name: f"{fields[name]}-other"})
+        assert C.cache_key(changed) != base, name
+
+    # and each field really comes from what it names
+    def key(engine=tiny_llama, d=drafter, **kw):
+        return C.calibration_key(engine, "lookup", d, **kw)
+
+    assert key() == base
+    assert key(d=LookupDrafter(max_draft=16)) != base
+    assert key(context=256) != base
+    assert key(engine=make_tiny_engine(hidden=32)) != base  # other shapes, other costs
+    assert key(engine=make_tiny_engine(seed=5)) == base  # same shapes and dtypes: same costs
+    bf16 = make_tiny_engine()
+    bf16.model.set_dtype(mx.bfloat16)
+    assert "bfloat16" in C.key_fields(bf16, "lookup", drafter)["precision"]
+    assert key(engine=bf16) != base
+    monkeypatch.setattr(C, "SCHEMA", C.SCHEMA + 1)
+    assert key() != base
+    monkeypatch.undo()
+    monkeypatch.setattr(C.mx, "__version__", "0.0.1")
+    assert key() != base
+    monkeypatch.undo()
+    import engine.platform as platform
+
+    monkeypatch.setattr(platform, "device_name", lambda: "Another chip")
+    assert key() != base
+    monkeypatch.setattr(platform, "backend", lambda: "metal")
+    assert "backend=metal" in key()
+
+
+def test_quantized_precision_is_named(tiny_llama):
+    import mlx.nn as nn
+
+    eng = make_tiny_engine(hidden=64)
+    nn.quantize(eng.model, group_size=32, bits=4)
+    assert C.model_precision(eng.model) == "q4g32/float32"
+    assert C.model_precision(tiny_llama.model) == "float32"
+
+
+def test_real_calibration_on_a_tiny_model_is_sane_and_cached(cache_dir, monkeypatch):
+    eng = make_tiny_engine(hidden=128, vocab=512)
+    seen = []
+    cal = C.calibrate(eng, "lookup", progress=lambda d, t, s: seen.append((d, t, s)), passes=1,
+                      overhead_rounds=4, context=128)
+    assert not cal.from_cache
+    assert cal.widths == C.width_grid(33) and cal.widths[0] == 1 and cal.widths[-1] == 33
+    assert all(math.isfinite(v) and v > 0 for v in cal.verify_ms)
+    fit = [cal.verify(w) for w in cal.widths]
+    assert fit == sorted(fit) and cal.verify(33) >= cal.verify(1)
+    assert cal.draft_caps == [] and cal.draft(8) == 0.0  # lookup has no model
+    assert cal.overhead_ms >= 0 and cal.step_overhead_ms >= 0 and cal.bandwidth > 1e8
+    assert 1 <= C.static_cap(cal) <= 32
+    assert seen[-1][0] == seen[-1][1] and {s for _, _, s in seen} >= {"prefill", "verify curve", "round overhead"}
+    assert eng.target.forwards == 0  # calibration forwards are not counted as generation work
+
+    stored = json.loads((cache_dir / "calibration.json").read_text())
+    assert list(stored["entries"]) == [cal.key]
+
+    calls = []
+    real_measure = C.measure
+    monkeypatch.setattr(C, "measure", lambda *a, **k: calls.append(1) or real_measure(*a, **k))
+    again = C.calibrate(eng, "lookup", passes=1, overhead_rounds=4, context=128)
+    assert again.from_cache and not calls
+    assert again.verify_ms == cal.verify_ms and again.key == cal.key
+    fresh = C.calibrate(eng, "lookup", recalibrate=True, passes=1, overhead_rounds=4, context=128)
+    assert calls == [1] and not fresh.from_cache and fresh.created >= cal.created
+
+
+@pytest.mark.parametrize("kind", ["draft", "dspark"])
+def test_drafters_with_a_model_get_a_drafter_curve(kind, cache_dir, tmp_path):
+    from engine.drafters.draft_model import DraftModelDrafter
+    from tests import drafter_ckpt as ck
+    from tests.tiny import make_tiny_model
+
+    eng = make_tiny_engine(scale=4.0)
+    if kind == "draft":
+        drafter = DraftModelDrafter(make_tiny_model(seed=7, layers=1))
+    else:  # a real DSpark checkpoint in the on-disk format: tapped target, block drafter
+        eng.drafter_path = str(ck.write(tmp_path / "dspark", *ck.dspark_checkpoint(ck.target_config_of(eng.model))))
+        drafter = eng.drafter("dspark")
+    cal = C.calibrate(eng, kind, drafter, passes=1, overhead_rounds=3, context=64)
+    assert cal.draft_caps == list(range(1, drafter.max_draft + 1))
+    assert cal.widths == list(range(1, drafter.max_draft + 2))  # fixed-length drafts: every width
+    assert all(math.isfinite(v) and v > 0 for v in cal.draft_ms)
+    assert cal.draft(drafter.max_draft) >= cal.draft(1) > 0
+    assert f"{kind}:" in cal.key and f"max{drafter.max_draft}" in cal.key
+    # the curves drive a lossless auto run through the one verify loop
+    prompt = [3, 9, 4, 7, 12, 5, 3, 9, 4, 7]
+    base = eng.generate(prompt, mode="baseline", max_new_tokens=20)
+    eng.set_drafter(kind, drafter)
+    auto = eng.generate(prompt, mode=kind, max_draft="auto", max_new_tokens=20)
+    assert auto.token_ids == base.token_ids
+
+
+def test_damaged_cache_file_is_rebuilt(cache_dir):
+    (cache_dir / "calibration.json").write_text("{not json")
+    eng = make_tiny_engine()
+    cal = C.calibrate(eng, "lookup", passes=1, overhead_rounds=3, context=64)
+    assert C.load_cached(cal.key) is not None
+
+
+# ------------------------------------------------------------------ the controller
+def bernoulli_accepts(rng: random.Random, p: float, k: int) -> int:
+    n = 0
+    while n < k and rng.random() < p:
+        n += 1
+    return n
+
+
+def simulate(ctrl: C.CapController, rng: random.Random, p: float, rounds: int, natural=None) -> list[int]:
+    """Drive the controller like the verify loop: cap() then observe(drafted, accepted, s)."""
+    caps = []
+    for _ in range(rounds):
+        cap = ctrl.cap()
+        caps.append(cap)
+        if cap == 0:
+            ctrl.observe(0, 0, 0.05)
+            continue
+        k = cap if natural is None else min(cap, natural(rng))
+        ctrl.observe(k, bernoulli_accepts(rng, p, k), 0.05)
+    return caps
+
+
+def test_acceptance_estimate_is_censored_at_full_acceptance():
+    cal = syn(lambda w: 50.0)
+    full, partial, none = (C.CapController(cal) for _ in range(3))
+    for c in (full, partial, none):
+        c.cap()
+    full.observe(4, 4, 0.1)
+    partial.observe(4, 3, 0.1)
+    none.observe(0, 0, 0.1)  # no draft: nothing learned about acceptance
+    assert none.p == C.PRIOR_P
+    assert full.p > partial.p
+    assert partial.p < C.PRIOR_P + 3 * (1 - C.PRIOR_P)  # the rejection pulled it down
+    always = C.CapController(syn(lambda w: 50.0))
+    simulate(always, random.Random(0), 1.0, 200)
+    assert always.p > 0.97  # never a rejection: the estimate only rises
+
+
+def test_controller_converges_to_the_optimum_for_the_true_acceptance():
+    cal = syn(lambda w: 50.0, draft=lambda c: 10.0 * c)
+    ctrl = C.CapController(cal)
+    start = ctrl.cap()
+    assert start == C.best_cap(cal, C.PRIOR_P, allow_park=False)
+    simulate(ctrl, random.Random(1), 0.92, 400)
+    optimum = C.best_cap(cal, 0.92)
+    assert optimum != start
+    assert abs(ctrl.p - 0.92) < 0.05
+    final = ctrl.history[-1]
+    assert C.rate(cal, final, 0.92) >= C.rate(cal, optimum, 0.92) / 1.03
+    assert abs(final - optimum) <= 1
+
+
+def test_controller_parks_when_speculation_loses_and_probes():
+    cal = syn(lambda w: 50.0 * w)
+    ctrl = C.CapController(cal)
+    caps = simulate(ctrl, random.Random(2), 0.3, 200)
+    assert all(c > 0 for c in caps[: ctrl.park_after])  # young: never parks
+    tail = caps[-100:]
+    assert tail.count(0) >= 80
+    probes = [c for c in tail if c]
+    assert probes and all(1 <= c <= C.PROBE_CAP for c in probes)
+
+
+def test_controller_unparks_when_acceptance_recovers():
+    cal = syn(lambda w: 50.0 if w == 1 else 100.0)
+    ctrl = C.CapController(cal)
+    rng = random.Random(3)
+    simulate(ctrl, rng, 0.15, 200)
+    assert ctrl.state.parked
+    caps = simulate(ctrl, rng, 0.97, 300)
+    assert not ctrl.state.parked and caps[-1] > C.PROBE_CAP
+
+
+def test_controller_learns_variable_draft_lengths():
+    cal = syn(lambda w: 50.0 + 2.0 * w)
+    ctrl = C.CapController(cal)
+    natural = lambda rng: 0 if rng.random() < 0.5 else 6  # lookup: a miss, or a 6-token match
+    simulate(ctrl, random.Random(4), 0.9, 300, natural)
+    surv = ctrl.survival()
+    assert 0.35 < surv[1] < 0.65  # the hit rate
+    assert surv[7] < 0.1  # drafts never run past 6
+    assert ctrl.history[-1] >= 6
+
+
+def test_auto_policy_in_generation_is_lossless_and_keeps_learning(cache_dir):
+    eng = make_tiny_engine(scale=4.0)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+    base = eng.generate(prompt, mode="baseline", max_new_tokens=40)
+    auto = eng.generate(prompt, mode="lookup", max_draft="auto", max_new_tokens=40)
+    assert auto.token_ids == base.token_ids and auto.cap == "auto"
+    assert (cache_dir / "calibration.json").is_file()
+    policy = C.auto_cap_policy(eng, "lookup", eng.drafter("lookup"))
+    assert policy.label == "auto" and policy.state.rounds > 0  # carried over from the request above
+    assert C.default_cap(eng, "lookup", eng.drafter("lookup")) == C.static_cap(policy.cal)
+
+
+# ------------------------------------------------------------------ tandem calibrate
+def test_cli_prints_the_curves_and_reuses_the_cache(cache_dir, tmp_path, capsys):
+    from engine.cli import main
+    from tests.test_gguf import write_tiny_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, "llama")
+    assert main(["calibrate", "--model", str(gguf), "--passes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured in" in out and "default cap (p=0.7)" in out and "roofline at 512 tokens" in out
+    assert "   33 " in out  # the widest verify of lookup's 32 drafts
+    assert main(["calibrate", "--model", str(gguf), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["from_cache"] and 1 <= data["default_cap"] <= 32 and data["widths"][-1] == 33
+    assert main(["calibrate", "--model", str(gguf), "--passes", "0"]) == 1
+    assert "--passes must be at least 1" in capsys.readouterr().err
