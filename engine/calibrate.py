@@ -8,8 +8,8 @@ with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). So the en
   context, the cache trimmed back after each (``Target.forward`` + ``Target.rollback``);
 * ``draft(c)``: ms of one proposal of ``c`` tokens, for drafters with their own model
   (n-gram lookup costs ~0 and its Python time lands in the overhead);
-* the per-round overhead: a full synthetic round of the real verify loop minus the curves, for
-  speculative rounds and for plain steps;
+* the per-round overhead: full synthetic rounds of the real verify loop minus their forward (and
+  model drafter) time, for speculative rounds and for plain steps;
 * the machine's copy bandwidth (for the roofline).
 
 Warm-ups, then medians over interleaved passes (a contended machine shifts all widths alike
@@ -583,16 +583,20 @@ def measure_overhead(target: Any, drafter: Drafter, ids: Sequence[int], cap: int
     from engine.speculative import decode
 
     spec, plain = [], []
-    t_prev = None
+    t_prev, paused = None, 0.0
     steps = decode(target, drafter, ids, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
                    cap_policy=_Alternate(cap), mode="calibration")
     try:
         for _, event in steps:
-            if t_prev is not None and event.index >= 3:
+            sampled = t_prev is not None and event.index >= 3
+            if sampled:
                 model_s = event.verify_s + (event.draft_s if drafter.has_model else 0.0)
-                (spec if event.cap else plain).append((event.t - t_prev - model_s) * 1000.0)
-                tick()
-            t_prev = event.t
+                (spec if event.cap else plain).append((event.t - t_prev - paused - model_s) * 1000.0)
+            t_prev, paused = event.t, 0.0
+            if sampled:
+                t_tick = time.perf_counter()
+                tick()  # a progress bar's redraw is not the loop's overhead
+                paused = time.perf_counter() - t_tick
             if len(spec) >= rounds and len(plain) >= rounds:
                 break
     finally:
@@ -662,8 +666,10 @@ def measure(engine: "Engine", drafter: Drafter, fields: dict, *, progress: Progr
             draft_ms = measure_drafter(drafter, ids + [ids[-64]], caps, passes, tick("drafter curve"))
         del cache, hidden
         cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms)
+        # The overhead is the loop's own work, the same at any context: a 128-token prompt keeps
+        # this prefill short (and skips a one-off slow first run seen on fresh 512-row caches).
         cal.overhead_ms, cal.step_overhead_ms = measure_overhead(
-            target, drafter, ids, min(drafter.max_draft, 8), overhead_rounds, tick("round overhead"))
+            target, drafter, ids[:128], min(drafter.max_draft, 8), overhead_rounds, tick("round overhead"))
         cal.bandwidth = measure_bandwidth()
         tick("bandwidth")()
     finally:
