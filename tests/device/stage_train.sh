@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Stage `tandem train-drafter` for the starter model (SmolLM2-135M-Instruct) on the H200 device
+# machine, which has no package registry and no network. Run here, in the project root.
+#
+# What travels, in three back-to-back calls (the machine stays warm ~30 s between calls; each
+# call carries < 64 MiB with the working tree):
+#   MLX 0.32.4 + mlx-cuda-13 + mlx-lm (../shared/device/stage-mlx-cuda.sh makes .devA/.devB),
+#   the gguf wheel (pure Python; the device has numpy/pyyaml/tqdm/requests),
+#   the starter's GGUF (Q4_1, 98 MB; xz-compressed and split over the three calls: on the device
+#   engine/gguf.py converts it exactly as here), and the encoded prompts (train: gsm8k + mbpp +
+#   arena-hard-v2; held out: mt-bench + humaneval + math500, first 64 of each).
+#
+#   call 1: carry [".devA"]  command: bash .devA/keep_all.sh
+#   call 2: carry [".devB"]  command: bash .devB/install.sh && bash .devB/smoke.sh
+#           (installs; the train tests on a tiny random target, on the GPU; SMOKE=0 skips them)
+#   (when the script made .devD: carry [".devD"]  command: bash .devD/keep.sh, before call 3)
+#   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate answers, train; ~9.5 min)
+#   call 4 (optional, warm): carry [".devC"]  command: bash .devC/extend.sh   (more training)
+# Results land in $OUT: drafter-model.safetensors, drafter-config.json, train.log, log.jsonl,
+# train.jsonl.gz / eval.jsonl.gz (the answers) and run.log.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+PY=${PYTHON:-$root/.venv/bin/python}
+PROMPTS=${PROMPTS:-$root/../shared/data/prompts}
+GGUF_VERSION=${GGUF_VERSION:-0.19.0}
+LIMIT=67108864   # one call's working tree + carried folders
+MARGIN=1500000   # room for files others add to the tree before the calls
+
+for d in /.devA/ /.devB/ /.devC/ /.stage-cache/; do
+  grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
+done
+bash "$root/../shared/device/stage-mlx-cuda.sh" >/dev/null
+rm -rf .devC && mkdir -p .devC .stage-cache
+
+# The gguf wheel and the compressed starter GGUF (cached between stagings).
+ls .stage-cache/gguf-*.whl >/dev/null 2>&1 || \
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache "gguf==$GGUF_VERSION"
+cp .stage-cache/gguf-*.whl .devB/
+gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
+if [ ! -s .stage-cache/starter.gguf.xz ]; then
+  xz -T0 -6 -c "$gguf" > .stage-cache/starter.gguf.xz.tmp && mv .stage-cache/starter.gguf.xz.tmp .stage-cache/starter.gguf.xz
+fi
+gguf_sum=$(sha256sum "$gguf" | cut -d' ' -f1)
+
+# Encoded prompts (the starter's chat template, here): the device only generates and trains.
+"$PY" -m engine.cli train-drafter --stages encode --out .devC/run \
+  --data "$PROMPTS/gsm8k.jsonl" "$PROMPTS/mbpp.jsonl" "$PROMPTS/arena-hard-v2.jsonl" \
+  --eval-data "$PROMPTS/mt-bench.jsonl" "$PROMPTS/humaneval.jsonl" "$PROMPTS/math500.jsonl" \
+  --eval-prompts-per-file 64 --max-prompt-tokens 1024 >/dev/null
+rm -f .devC/run/train.log
+
+# Split the compressed GGUF to fill what calls 1 and 2 leave free; what .devC cannot take as
+# well (a large tree, e.g. once the shipped drafter is in it) goes to .devD, one more call.
+rm -rf .devD
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+room() { echo $(( LIMIT - tree - MARGIN - $(du -cb "$1" | tail -1 | cut -f1) )); }
+xzf=.stage-cache/starter.gguf.xz
+r1=$(room .devA); r2=$(room .devB); r3=$(( $(room .devC) - 8192 ))
+python3 - "$xzf" "$r1" "$r2" "$r3" <<'EOP'
+import os, sys
+data, a, b, c = open(sys.argv[1], "rb").read(), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+d = max(0, len(data) - a - b - c)  # overflow for .devD
+parts = [(".devA/g.aa", data[:a]), (".devB/g.ab", data[a:a + b]), (".devC/g.ac", data[a + b + d:])]
+if d:
+    os.makedirs(".devD", exist_ok=True)
+    parts.append((".devD/g.ad", data[a + b:a + b + d]))
+for path, part in parts:
+    open(path, "wb").write(part)
+EOP
+test "$(cat .devA/g.aa .devB/g.ab $(ls .devD/g.ad 2>/dev/null) .devC/g.ac | sha256sum | cut -d' ' -f1)" = "$(sha256sum "$xzf" | cut -d' ' -f1)"
+if [ -d .devD ]; then
+  grep -qxF "/.devD/" .git/info/exclude || echo "/.devD/" >> .git/info/exclude
+  printf 'set -e\ncp .devD/g.ad /root/keep/ && echo "gguf part d kept"\n' > .devD/keep.sh
+fi
+
+cat > .devA/keep_all.sh <<'EOS'
+set -e
+bash .devA/keep.sh
+cp .devA/g.aa /root/keep/ && echo "gguf part a kept"
+EOS
+
+cat > .devB/smoke.sh <<'EOS'
+# After install.sh: keep this call's GGUF part, install gguf, and check the training code on the GPU.
+set -e
+cp .devB/g.ab /root/keep/ && echo "gguf part b kept"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site .devB/gguf-*.whl
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+[ "${SMOKE:-1}" = 0 ] || timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k "engine_drafter or reduce_the_loss or reloads" 2>&1 | tail -15 || true
+EOS
+
+cat > .devC/run.sh <<EOS
+# Assemble the starter GGUF, then generate answers and train within this call's 600 s.
+set -uo pipefail
+export PYTHONPATH=/root/site:\$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
+mkdir -p /root/work
+cat /root/keep/g.aa /root/keep/g.ab \$(ls /root/keep/g.ad 2>/dev/null) .devC/g.ac | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/root/work/SmolLM2-135M-Instruct.Q4_1.gguf', 'wb'))"
+echo "$gguf_sum  /root/work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+[ -d /root/work/run ] || cp -r .devC/run /root/work/run
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+TL=\$(( \${RUN_SECONDS:-570} - SECONDS ))
+python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
+  --stages generate,train --max-new-tokens 512 --gen-batch 512 --gen-time-limit \${GEN_SECONDS:-150} \\
+  --self-prompts 2048 --samples-per-prompt 2 --sample-temperature 0.7 \\
+  --layers 2 --block-size 7 --markov-rank 16 --intermediate-size 896 \\
+  --batch-seqs 16 --anchors 128 --lr 5e-4 --val-seqs 96 --eval-every 250 --checkpoint-every 500 --log-every 50 \\
+  --time-limit \$TL --mirror \$OUT \${EXTRA_ARGS:-} 2>&1 | tee \$OUT/run.log
+EOS
+
+cat > .devC/extend.sh <<'EOS'
+# A later call on the same warm machine: more training from the checkpoint (warm restart).
+set -uo pipefail
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
+TL=$(( ${RUN_SECONDS:-280} - SECONDS ))
+python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
+  --stages train --extend --log-every 25 --eval-every 250 --checkpoint-every 250 \
+  --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
+EOS
+
+for d in .devA .devB $(ls -d .devD 2>/dev/null) .devC; do
+  size=$(( tree + $(du -cb $d | tail -1 | cut -f1) ))
+  echo "$d: $(du -sh $d | cut -f1) (call total $(( size / 1048576 )) MiB of 64)"
+  test "$size" -lt "$LIMIT"
+done

@@ -1,0 +1,233 @@
+"""tandem train-drafter: the training forward is the engine's drafter, training learns, the
+exported drafter loads through the normal DSpark loader, and an interrupted run resumes exactly.
+
+All on tiny random targets built in-test (tests/tiny.py, tests/test_gguf.py): seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from engine.drafters import block
+from engine.drafters.dspark import DSparkDrafter
+from engine.sampling import Sampler, SamplingParams
+from engine.train import (TrainConfig, Trainer, block_forward, draft_outputs, new_drafter, target_states)
+from engine.train_data import Example, decode_all, load_examples, make_batch, save_examples
+
+from tests.tiny import make_tiny_engine
+
+GREEDY = Sampler(SamplingParams(0.0))
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(layers=2, block_size=4, markov_rank=8, intermediate_size=None, steps=24, batch_seqs=4, anchors=6,
+                lr=3e-3, log_every=1000, eval_every=0, checkpoint_every=1000, val_seqs=8, export_dtype="float32")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 6-layer random llama target with sharp logits, and its own greedy answers to 24 prompts."""
+    eng = make_tiny_engine("llama", seed=0, layers=6, scale=3.0)
+    rng = np.random.default_rng(0)
+    exs = [Example(("gsm8k", "mbpp", "arena-hard-v2")[i % 3], [1] + [int(t) for t in rng.integers(2, 96, 6 + i % 9)])
+           for i in range(24)]
+    for ex, ans in zip(exs, decode_all(eng.model, [e.prompt for e in exs], batch_size=8, max_new_tokens=32, eos_ids=[0])):
+        ex.answer = ans
+    return eng, exs
+
+
+def test_answers_are_the_targets_greedy_continuations(tiny):
+    """Batched, left-padded decoding gives each prompt exactly the engine's greedy output."""
+    eng, exs = tiny
+    assert any(e.answer[-1] == 0 for e in exs) and any(len(e.answer) == 32 for e in exs)  # both endings seen
+    for ex in exs[:8]:
+        ref = eng.generate(ex.prompt, mode="baseline", max_new_tokens=32)
+        n = len(ref.token_ids)  # the engine leaves EOS out of its output; the data keeps it
+        assert ex.answer[:n] == ref.token_ids
+        assert len(ex.answer) == n or ex.answer[n:] == [0]
+
+
+def test_sampled_answers_differ_and_stop_at_eos(tiny):
+    eng, exs = tiny
+    prompts = [exs[0].prompt] * 6
+    out = decode_all(eng.model, prompts, batch_size=6, max_new_tokens=12, eos_ids=[0], temperature=1.0, seed=5)
+    assert len({tuple(o) for o in out}) > 1
+    assert all(0 not in o[:-1] for o in out)
+    again = decode_all(eng.model, prompts, batch_size=6, max_new_tokens=12, eos_ids=[0], temperature=1.0, seed=5)
+    assert out == again  # seeded
+
+
+def test_training_forward_is_the_engine_drafter(tiny):
+    """Many anchors at once with the training mask give, anchor by anchor, the block states and
+    greedy drafts of the engine's DSpark drafter run on the same committed context."""
+    eng, exs = tiny
+    model = new_drafter(eng, small_config(layers=2, block_size=5, markov_rank=8))
+    ex = max(exs, key=lambda e: len(e.answer))
+    ids = ex.ids
+    taps = model.config["target_layer_ids"]
+    eng.target.set_taps(taps)
+    anchors = [len(ex.prompt), len(ex.prompt) + 3, len(ids) - 6]
+    B, mask = 5, model.config["mask_token_id"]
+    block_ids = mx.array([[[ids[p]] + [mask] * (B - 1) for p in anchors]])
+    feats, _ = target_states(eng.target, mx.array([ids]), taps)
+    h_train = block_forward(model, feats, mx.array([anchors]), block_ids)[0]
+
+    drafter = DSparkDrafter(model, model.cfg, eng.target)
+    _, hidden = eng.target.forward(mx.array([ids]), eng.target.new_cache(), tap=True)  # the engine's own tap
+    for a, p in enumerate(anchors):
+        drafter.begin(ids[:p], hidden[:p])
+        h_inf = drafter.block_states(ids[: p + 1])
+        assert mx.allclose(h_train[a], h_inf, atol=1e-4).item(), f"anchor {p}"
+        draft = np.array(drafter.propose(ids[: p + 1], B, GREEDY).tokens).tolist()
+        # teacher-forced training logits with the drafted tokens as the Markov inputs
+        arrays = {"anchors": mx.array([[p]]), "block_ids": block_ids[:, a : a + 1],
+                  "prev": mx.array([[[ids[p]] + draft[:-1]]])}
+        logits, conf, _ = draft_outputs(model, feats, arrays)
+        assert np.array(mx.argmax(logits[0, 0], axis=-1)).tolist() == draft
+        assert conf.shape == (1, 1, B)
+
+
+def test_batches_follow_the_anchor_rule():
+    ex = [Example("gsm8k", [5, 6, 7], [8, 9, 10, 11]), Example("mbpp", [5], [20, 21])]
+    b = make_batch(ex, block_size=3, num_anchors=4, rng=np.random.default_rng(0), pad_to=8)
+    assert b.ids.shape == (2, 8)
+    assert sorted(b.anchors[0][b.keep[0]].tolist()) == [3, 4, 5]  # answer tokens with an answer token after
+    assert b.anchors[1][b.keep[1]].tolist() == [1]
+    a = b.anchors[0].tolist().index(3)
+    assert b.labels[0, a].tolist() == [9, 10, 11] and b.prev[0, a].tolist() == [8, 9, 10]
+    assert b.rows[0, a].tolist() == [3, 4, 5]
+    a = b.anchors[0].tolist().index(5)
+    assert b.valid[0, a].tolist() == [True, False, False]
+    assert not b.valid[1, ~b.keep[1]].any()
+
+
+def test_a_few_steps_reduce_the_loss(tiny, tmp_path):
+    eng, exs = tiny
+    trainer = Trainer(eng, exs, exs[:8], tmp_path, small_config(steps=30))
+    before = trainer.evaluate()
+    trainer.fit()
+    after = trainer.evaluate()
+    assert after["val_loss"] < 0.8 * before["val_loss"]
+    assert after["val_tau"] > before["val_tau"]
+    assert trainer.state.history and (tmp_path / "drafter" / "config.json").is_file()
+
+
+def test_saved_drafter_reloads_through_the_loader_and_drafts_identically(tiny, tmp_path):
+    eng, exs = tiny
+    trainer = Trainer(eng, exs, [], tmp_path, small_config(steps=6))
+    trainer.fit()
+    out = trainer.export_dir
+    config = json.loads((out / "config.json").read_text())
+    saved = mx.load(str(out / "model.safetensors"))
+    assert config["use_target_embeddings"] is True
+    assert "embed_tokens.weight" not in saved and "lm_head.weight" not in saved  # the target's, not shipped
+    assert "markov_head.markov_w1.weight" in saved and "confidence_head.proj.weight" in saved
+
+    eng.drafter_path = str(out)
+    eng._drafters.clear()
+    loaded = eng.drafter("dspark")
+    mine = DSparkDrafter(trainer.model, trainer.model.cfg, eng.target)
+    ex = max(exs, key=lambda e: len(e.answer))
+    eng.target.set_taps(loaded.tap_layers)
+    _, hidden = eng.target.forward(mx.array([ex.ids]), eng.target.new_cache(), tap=True)
+    for p in range(len(ex.prompt), len(ex.ids) - 1, 5):
+        for d in (loaded, mine):
+            d.begin(ex.ids[:p], hidden[:p])
+        a = loaded.propose(ex.ids[: p + 1], 4, GREEDY).tokens
+        b = mine.propose(ex.ids[: p + 1], 4, GREEDY).tokens
+        assert np.array(a).tolist() == np.array(b).tolist()
+    # and through the engine loop: lossless, and drafting something
+    r = eng.generate(exs[0].prompt, mode="dspark", max_new_tokens=24, max_draft=0)
+    assert r.token_ids == eng.generate(exs[0].prompt, mode="baseline", max_new_tokens=24).token_ids
+
+
+def test_resume_continues_from_the_last_checkpoint(tiny, tmp_path):
+    eng, exs = tiny
+    straight = Trainer(eng, exs, [], tmp_path / "a", small_config(steps=6))
+    straight.fit()
+
+    first = Trainer(eng, exs, [], tmp_path / "b", small_config(steps=6))
+    for _ in range(3):
+        first.train_step()
+    first.save_checkpoint()
+    first.train_step()  # work after the checkpoint is lost with the "crash"
+    del first
+    resumed = Trainer(eng, exs, [], tmp_path / "b", small_config(steps=6))
+    assert resumed.state.step == 3
+    resumed.fit()
+    a = dict(tree_flatten(straight.model.trainable_parameters()))
+    b = dict(tree_flatten(resumed.model.trainable_parameters()))
+    assert a.keys() == b.keys()
+    assert all(mx.allclose(a[k], b[k], atol=1e-6).item() for k in a)
+
+
+def test_examples_file_roundtrip(tmp_path):
+    exs = [Example("gsm8k", [1, 2], [3, 0]), Example("mt-bench", [4], [])]
+    for name in ("x.jsonl", "x.jsonl.gz"):
+        save_examples(tmp_path / name, exs)
+        assert load_examples(tmp_path / name) == exs
+
+
+def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch):
+    """tandem train-drafter end to end: encode, generate, train, report (acceptance through the
+    engine loop, identical to baseline output)."""
+    from engine.cli import main
+    from tests.test_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf, "llama")
+    for name, n in (("gsm8k", 6), ("mt-bench", 2)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [f"the low {i} is a"]}) + "\n" for i in range(n)))
+    out = tmp_path / "run"
+    argv = ["train-drafter", "--model", str(gguf), "--out", str(out), "--data", str(tmp_path / "gsm8k.jsonl"),
+            "--eval-data", str(tmp_path / "mt-bench.jsonl"), "--max-new-tokens", "16", "--tap-layers", "0",
+            "--layers", "1", "--block-size", "3", "--markov-rank", "4", "--intermediate-size", "0", "--steps", "3",
+            "--batch-seqs", "2", "--anchors", "4", "--report-prompts", "1", "--report-max-new-tokens", "8",
+            "--benchmark-trials", "0", "--self-prompts", "3", "--samples-per-prompt", "1",
+            "--mirror", str(tmp_path / "mirror")]
+    assert main(argv) == 0
+    assert len(load_examples(out / "data" / "train.jsonl.gz")) == 6
+    extra = load_examples(out / "data" / "extra.jsonl.gz")  # 6 sampled answers + the self-prompted ones
+    assert sum(e.source == "gsm8k" for e in extra) == 6 and all(e.answer for e in extra)
+    report = json.loads((out / "report.json").read_text())
+    assert report["acceptance"]["identical_to_baseline"] is True
+    assert report["acceptance"]["tokens_per_round"]["chat"] >= 1.0
+    assert (tmp_path / "mirror" / "drafter-model.safetensors").is_file()
+    assert main(argv[:-2] + ["--stages", "train"]) == 0  # resumes: already at its last step
+    assert "resumed from" in (out / "train.log").read_text()
+    assert main(argv[:-2] + ["--stages", "train", "--extend", "--steps", "2"]) == 0  # two more, lr restarted
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 5 and state["restart_step"] == 3
+
+
+@pytest.mark.slow
+def test_shipped_starter_drafter_loads_and_is_lossless(starter_engine):
+    """resources/drafters/smollm2-135m-dspark: small, without the target's embedding/head (the
+    loader takes them from the starter), and drafting for the real starter changes no token."""
+    from engine.paths import resources_dir
+    from tests.lossless import assert_same_greedy
+
+    folder = resources_dir() / "drafters" / "smollm2-135m-dspark"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["use_target_embeddings"] and config["target_layer_ids"] == [1, 8, 14, 20, 27]
+    assert (folder / "model.safetensors").stat().st_size < 16 * 2**20  # one device file, a small repo
+    assert "embed_tokens.weight" not in mx.load(str(folder / "model.safetensors"))
+    eng = starter_engine
+    old = eng.drafter_path
+    eng.drafter_path = "resources:drafters/smollm2-135m-dspark"
+    try:
+        prompt = eng.encode("Write a Python function that returns the squares of a list of numbers.")
+        base = eng.generate(prompt, mode="baseline", max_new_tokens=40)
+        spec = eng.generate(prompt, mode="dspark", max_new_tokens=40, max_draft=0)
+        assert_same_greedy(eng.model, prompt, base.token_ids, spec.token_ids, "dspark (shipped drafter)")
+        assert spec.drafted > 0 and spec.target_forwards < base.target_forwards  # it drafts, and some land
+    finally:
+        eng.drafter_path = old
