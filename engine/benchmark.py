@@ -369,13 +369,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
 
 
-def _bar(desc: str) -> tuple[Callable[[int, int, str], None], Callable[[], None]]:
-    from engine.calibrate import tqdm_progress
-
-    return tqdm_progress(desc)
-
-
 def run(args: argparse.Namespace) -> int:
+    from engine.calibrate import tqdm_progress
     from engine.cli_generate import load_engine
     from engine.generate import MODES
 
@@ -390,8 +385,8 @@ def run(args: argparse.Namespace) -> int:
     caps = parse_caps(args.max_draft)
     eng = load_engine(args)
     arms = make_arms(modes, caps)
-    cal_progress, cal_close = _bar("calibrating")
-    progress, close = _bar(f"benchmark {eng.name}")
+    cal_progress, cal_close = tqdm_progress("calibrating")
+    progress, close = tqdm_progress(f"benchmark {eng.name}")
     try:
         report = run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
                                progress=progress, calibration_progress=cal_progress)

@@ -1,8 +1,8 @@
 """Per-machine cost curves, the draft cap they imply, and the ``--max-draft auto`` controller.
 
 Whether speculation pays, and how many drafts to verify, depends on how a target forward's cost
-grows with its width on *this* machine: on Linux CPU with OpenBLAS, 16 rows cost ~1.6x one row;
-with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). So the engine measures:
+grows with its width on *this* machine: on a 2-core Linux CPU with OpenBLAS, 16 rows cost 1.6-2.6x
+one row; with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). So the engine measures:
 
 * ``verify(w)``: ms of one target forward over ``w`` tokens on a warm synthetic 512-token
   context, the cache trimmed back after each (``Target.forward`` + ``Target.rollback``);
@@ -229,12 +229,31 @@ class LearnedState:
     rounds: int = 0  # informative rounds (cap > 0)
     cap: int | None = None
     parked: bool = False
+    # decayed least-squares sums for round ms = c0 + c1 * g (g: the curve's width increment)
+    cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
 
     def shrink(self, factor: float = 0.5) -> None:
         """Start a new request trusting the old evidence less (the content changed)."""
         self.tokens_seen *= factor
         self.at_risk = [x * factor for x in self.at_risk]
         self.events = [x * factor for x in self.events]
+        self.cost = [x * factor for x in self.cost]
+
+
+class _Corrected:
+    """A calibration seen through the live cost fit: ``verify(w) = c0 + c1 * (verify_cal(w) -
+    verify_cal(1))``, drafter ms scaled by ``c1``. Quacks like ``Calibration`` for ``rates``."""
+
+    def __init__(self, cal: Calibration, c0: float, c1: float):
+        self.cal, self.c0, self.c1 = cal, c0, c1
+        self.max_cap, self.overhead_ms, self.step_overhead_ms = cal.max_cap, cal.overhead_ms, cal.step_overhead_ms
+        self._v1 = cal.verify(1)
+
+    def verify(self, width: int) -> float:
+        return self.c0 + self.c1 * (self.cal.verify(width) - self._v1)
+
+    def draft(self, cap: int) -> float:
+        return self.c1 * self.cal.draft(cap)
 
 
 class CapController:
@@ -246,6 +265,11 @@ class CapController:
     * Draft lengths ``S(i)``: a decayed Kaplan-Meier estimate from the drafts seen. A draft
       shorter than the cap is the drafter's natural length; one at the cap says only
       ``L >= cap``. Lengths never seen are assumed to continue (optimism that explores).
+    * Costs: the calibrated curve, corrected live. Round times (``observe``'s seconds) are fit
+      as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a plain step, by
+      decayed least squares shrunk toward the calibration (``c0 = verify(1)``, ``c1 = 1``). It
+      follows what the curve at 512 tokens cannot know: the real context (wide verifies cost
+      relatively less at short contexts on the CPU), load, clocks.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
       ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds;
       parked, every ``probe_every``-th round is a probe at a cheap cap to keep learning.
@@ -257,7 +281,8 @@ class CapController:
 
     def __init__(self, cal: Calibration, max_cap: int | None = None, *, state: LearnedState | None = None,
                  alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03, repick_every: int = 4,
-                 hysteresis: float = 1.03, park_after: int = 24, probe_every: int = 8):
+                 hysteresis: float = 1.03, park_after: int = 24, probe_every: int = 8, cost_decay: float = 0.01,
+                 cost_prior: float = 2.0):
         self.cal = cal
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
@@ -267,6 +292,9 @@ class CapController:
         self.alpha, self.prior_weight, self.decay = alpha, prior_weight, decay
         self.repick_every, self.hysteresis = repick_every, hysteresis
         self.park_after, self.probe_every = park_after, probe_every
+        self.cost_decay, self.cost_prior = cost_decay, cost_prior
+        if len(self.state.cost) != 5:
+            self.state.cost = [0.0] * 5
         self._since_repick = 0
         self._since_probe = 0
         self._last_cap = 0
@@ -289,8 +317,27 @@ class CapController:
             s *= 1.0 - min(1.0, self.state.events[i] / (self.state.at_risk[i] + 1.0))
         return out
 
+    def _g(self, drafted: int, cap: int) -> float:
+        """The curve's extra ms for a round that verified ``drafted`` drafts under ``cap``."""
+        return self.cal.verify(drafted + 1) - self.cal.verify(1) + (self.cal.draft(cap) if cap > 0 else 0.0)
+
+    def cost_fit(self) -> tuple[float, float]:
+        """(c0 ms, c1): the live fit of round ms = c0 + c1 * g, shrunk toward (verify(1), 1)."""
+        W, Wg, Wgg, Ws, Wgs = self.state.cost
+        c0p = self.cal.verify(1)
+        g_ref = max(self._g(min(8, self.max_cap), min(8, self.max_cap)), 0.1 * c0p)
+        p0, p1 = self.cost_prior, self.cost_prior * g_ref * g_ref
+        a, b, d = W + p0, Wg, Wgg + p1
+        e, f = Ws + p0 * c0p, Wgs + p1
+        det = a * d - b * b
+        c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
+        return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.1), 10.0)
+
+    def corrected(self) -> "_Corrected":
+        return _Corrected(self.cal, *self.cost_fit())
+
     def rates(self) -> list[float]:
-        return rates(self.cal, self.state.p, self.survival(), self.max_cap)
+        return rates(self.corrected(), self.state.p, self.survival(), self.max_cap)
 
     # -- CapPolicy -------------------------------------------------------------------------
     def cap(self) -> int:
@@ -313,6 +360,8 @@ class CapController:
             st.rounds += 1
             self._learn_length(min(drafted, cap), cap)
             self._learn_acceptance(drafted, accepted)
+        if seconds > 0:
+            self._learn_cost(min(drafted, cap), cap, seconds * 1000.0)
         self._since_repick += 1
         if self._since_repick >= self.repick_every:
             self._since_repick = 0
@@ -325,6 +374,15 @@ class CapController:
             st.tokens_seen += 1
             w = max(self.alpha, 1.0 / (st.tokens_seen + self.prior_weight))
             st.p += w * (x - st.p)
+
+    def _learn_cost(self, k: int, cap: int, ms: float) -> None:
+        g = self._g(k, cap)
+        c0, c1 = self.cost_fit()
+        predicted = c0 + c1 * g
+        ms = min(max(ms, 0.5 * predicted), 2.0 * predicted)  # a burst of contention is not the curve
+        keep = 1.0 - self.cost_decay
+        W, Wg, Wgg, Ws, Wgs = (x * keep for x in self.state.cost)
+        self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + ms, Wgs + g * ms]
 
     def _learn_length(self, k: int, cap: int) -> None:
         st = self.state

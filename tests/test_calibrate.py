@@ -213,17 +213,18 @@ def bernoulli_accepts(rng: random.Random, p: float, k: int) -> int:
     return n
 
 
-def simulate(ctrl: C.CapController, rng: random.Random, p: float, rounds: int, natural=None) -> list[int]:
-    """Drive the controller like the verify loop: cap() then observe(drafted, accepted, s)."""
+def simulate(ctrl: C.CapController, rng: random.Random, p: float, rounds: int, natural=None, true_cal=None,
+             noise: float = 0.05) -> list[int]:
+    """Drive the controller like the verify loop: cap() then observe(drafted, accepted, s),
+    the round taking what ``true_cal`` (default: the calibration itself) says, with noise."""
+    true_cal = true_cal or ctrl.cal
     caps = []
     for _ in range(rounds):
         cap = ctrl.cap()
         caps.append(cap)
-        if cap == 0:
-            ctrl.observe(0, 0, 0.05)
-            continue
-        k = cap if natural is None else min(cap, natural(rng))
-        ctrl.observe(k, bernoulli_accepts(rng, p, k), 0.05)
+        k = 0 if cap == 0 else cap if natural is None else min(cap, natural(rng))
+        ms = true_cal.verify(k + 1) + true_cal.draft(cap)
+        ctrl.observe(k, bernoulli_accepts(rng, p, k) if k else 0, ms * (1 + noise * rng.random()) / 1000)
     return caps
 
 
@@ -287,6 +288,35 @@ def test_controller_learns_variable_draft_lengths():
     assert 0.35 < surv[1] < 0.65  # the hit rate
     assert surv[7] < 0.1  # drafts never run past 6
     assert ctrl.history[-1] >= 6
+
+
+def test_controller_corrects_the_curve_from_observed_round_times():
+    calibrated = syn(lambda w: 50.0 + 10.0 * w)  # measured at 512 tokens: steep
+    true = syn(lambda w: 45.0 + 2.0 * w)  # what rounds really cost now: much flatter
+    natural = lambda rng: 0 if rng.random() < 0.4 else rng.choice([4, 8, 16, 32])
+    assert C.best_cap(calibrated, 0.9) < C.best_cap(true, 0.9)
+    ctrl = C.CapController(calibrated)
+    simulate(ctrl, random.Random(6), 0.9, 400, natural, true_cal=true)
+    c0, c1 = ctrl.cost_fit()
+    assert c0 == pytest.approx(48.0, rel=0.1) and c1 == pytest.approx(0.2, abs=0.08)
+    # judged by the truth: p = 0.9 and the natural lengths above
+    surv = [1.0] + [0.6] * 4 + [0.45] * 4 + [0.3] * 8 + [0.15] * 16 + [0.0]
+    final = ctrl.history[-1]
+    assert final > C.best_cap(calibrated, 0.9, survival=surv)  # it moved off the stale curve
+    assert C.rate(true, final, 0.9, surv) >= C.rate(true, C.best_cap(true, 0.9, survival=surv), 0.9, surv) / 1.03
+
+
+def test_contention_bursts_do_not_bend_the_fit():
+    cal = syn(lambda w: 50.0 + 5.0 * w)
+    ctrl = C.CapController(cal)
+    rng = random.Random(7)
+    for i in range(300):
+        cap = ctrl.cap()
+        k = min(cap, 8)
+        ms = cal.verify(k + 1) * (20.0 if i % 10 == 0 else 1.0)  # every 10th round stalls
+        ctrl.observe(k, k // 2, ms / 1000)
+    c0, c1 = ctrl.cost_fit()
+    assert c0 == pytest.approx(55.0, rel=0.15) and c1 == pytest.approx(1.0, abs=0.25)
 
 
 def test_auto_policy_in_generation_is_lossless_and_keeps_learning(cache_dir):
