@@ -13,8 +13,13 @@ Parts (``--parts``, default all):
 * ``starter``: the real starter model if ``--starter PATH`` names its converted mlx-lm folder
   (or its GGUF); calibration and the benchmark on the handful of prompts embedded below.
 
-    export PYTHONPATH=/root/site:. PYTHONUNBUFFERED=1
+On the H200 device machine, with MLX staged by ../shared/device/stage-mlx-cuda.sh (two
+back-to-back device calls: carry .devA ``bash .devA/keep.sh``, then carry .devB)::
+
+    bash .devB/install.sh && export PYTHONPATH=/root/site:. PYTHONUNBUFFERED=1 &&
     python3 tests/device/h200_costs.py --out "$OUT" [--starter /path/to/smollm2-folder]
+
+It takes a few minutes; ``--smoke`` runs the same code on toy shapes (a CPU check of the script).
 """
 
 from __future__ import annotations
