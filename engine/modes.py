@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
-from engine.speculative import CapPolicy, FixedCap
+from engine.speculative import CapPolicy
 
 if TYPE_CHECKING:
     from engine.generate import Engine
@@ -42,23 +42,25 @@ def auto_mode(engine: "Engine") -> str:
     """The registry's mode for this pair, else DSpark, else DFlash, else lookup."""
     if engine.draft_model_spec:
         return "draft"
-    try:
-        from engine import registry
-    except ImportError:
-        return "lookup"
+    from engine import registry
+
     return registry.auto_mode(engine)
 
 
 def default_cap(engine: "Engine", mode: str, drafter: Drafter | None) -> int:
+    """The cap this machine's cached calibration of the pair picks, else a fixed default."""
     if drafter is None:
         return 0
+    from engine import calibrate
+
+    calibrated = calibrate.default_cap(engine, mode, drafter)
+    if calibrated is not None:
+        return max(1, calibrated)  # the user asked for this mode: park only under --max-draft auto
     return min(DEFAULT_CAPS.get(mode, drafter.max_draft), drafter.max_draft)
 
 
 def auto_cap_policy(engine: "Engine", mode: str, drafter: Drafter) -> CapPolicy:
     """--max-draft auto: a controller on top of this machine's calibrated cost curves."""
-    try:
-        from engine import calibrate
-    except ImportError:
-        return FixedCap(default_cap(engine, mode, drafter))
+    from engine import calibrate
+
     return calibrate.auto_cap_policy(engine, mode, drafter)
