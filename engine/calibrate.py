@@ -155,10 +155,23 @@ def _survival(survival: Sequence[float] | None, i: int) -> float:
     return float(survival[i]) if i < len(survival) else float(survival[-1])
 
 
-def expected_tokens(cap: int, p: float, survival: Sequence[float] | None = None) -> float:
+Acceptance = float | Sequence[float]  # one p for every position, or p[i] for draft position i >= 1
+
+
+def _accept(p: Acceptance, i: int) -> float:
+    if isinstance(p, (int, float)):
+        return float(p)
+    return float(p[i]) if i < len(p) else float(p[-1])
+
+
+def expected_tokens(cap: int, p: Acceptance, survival: Sequence[float] | None = None) -> float:
     """Committed tokens per round: the target's own one plus each draft that is proposed
-    (``S(i)``) and accepted along with all before it (``p^i``)."""
-    return 1.0 + sum(_survival(survival, i) * p**i for i in range(1, cap + 1))
+    (``S(i)``) and accepted along with all before it (``p^i``, or ``p_1 ... p_i``)."""
+    tokens, chain = 1.0, 1.0
+    for i in range(1, cap + 1):
+        chain *= _accept(p, i)
+        tokens += _survival(survival, i) * chain
+    return tokens
 
 
 def expected_ms(cal: Calibration, cap: int, survival: Sequence[float] | None = None) -> float:
@@ -172,14 +185,14 @@ def expected_ms(cal: Calibration, cap: int, survival: Sequence[float] | None = N
     return verify + cal.draft(cap) + cal.overhead_ms
 
 
-def rate(cal: Calibration, cap: int, p: float, survival: Sequence[float] | None = None) -> float:
+def rate(cal: Calibration, cap: int, p: Acceptance, survival: Sequence[float] | None = None) -> float:
     """Expected tokens per second at this cap (see the module docstring)."""
     if cap <= 0:
         return 1000.0 / expected_ms(cal, 0)
     return 1000.0 * expected_tokens(cap, p, survival) / expected_ms(cal, cap, survival)
 
 
-def rates(cal: Calibration, p: float, survival: Sequence[float] | None = None,
+def rates(cal: Calibration, p: Acceptance, survival: Sequence[float] | None = None,
           max_cap: int | None = None) -> list[float]:
     """``rate(cal, c, p, survival)`` for every cap c = 0..max_cap in one pass (the controller
     re-picks every few rounds; this keeps it at microseconds)."""
@@ -189,7 +202,7 @@ def rates(cal: Calibration, p: float, survival: Sequence[float] | None = None,
     tokens, shorter, p_i = 1.0, 0.0, 1.0
     for c in range(1, top + 1):
         s_prev, s_c = _survival(survival, c - 1), _survival(survival, c)
-        p_i *= p
+        p_i *= _accept(p, c)
         tokens += s_c * p_i
         shorter += (s_prev - s_c) * v[c - 1]  # drafts that stopped at c - 1 < cap: verify(c)
         ms = shorter + s_c * v[c] + cal.draft(c) + cal.overhead_ms
@@ -197,7 +210,7 @@ def rates(cal: Calibration, p: float, survival: Sequence[float] | None = None,
     return out
 
 
-def best_cap(cal: Calibration, p: float, *, max_cap: int | None = None, survival: Sequence[float] | None = None,
+def best_cap(cal: Calibration, p: Acceptance, *, max_cap: int | None = None, survival: Sequence[float] | None = None,
              allow_park: bool = True) -> int:
     """The cap with the highest expected rate (the smallest one on a tie); 0 = plain steps."""
     return _argmax(rates(cal, p, survival, max_cap), allow_park)
@@ -229,6 +242,8 @@ class LearnedState:
     rounds: int = 0  # informative rounds (cap > 0)
     cap: int | None = None
     parked: bool = False
+    accepted_at: list[float] = field(default_factory=list)  # per position bucket: drafts accepted
+    tried_at: list[float] = field(default_factory=list)  # per position bucket: drafts reached
     # decayed least-squares sums for round ms = c0 + c1 * g (g: the curve's width increment)
     cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
 
@@ -237,7 +252,14 @@ class LearnedState:
         self.tokens_seen *= factor
         self.at_risk = [x * factor for x in self.at_risk]
         self.events = [x * factor for x in self.events]
+        self.accepted_at = [x * factor for x in self.accepted_at]
+        self.tried_at = [x * factor for x in self.tried_at]
         self.cost = [x * factor for x in self.cost]
+
+
+def _bucket(position: int) -> int:
+    """Draft positions 1, 2, 3-4, 5-8, 9-16, ... -> buckets 0, 1, 2, 3, 4, ..."""
+    return max(0, int(position) - 1).bit_length()
 
 
 class _Corrected:
@@ -261,7 +283,10 @@ class CapController:
 
     * Acceptance ``p``: an EWMA of per-token Bernoulli outcomes (each accepted draft a 1, the
       first rejected one a 0); a fully accepted round adds no 0 (censored: the next draft
-      might have failed too). Young, it is a running mean seeded with ``PRIOR_P``.
+      might have failed too). Young, it is a running mean seeded with ``PRIOR_P``. Per draft
+      position (buckets 1, 2, 3-4, 5-8, ...) the conditional acceptance is estimated too,
+      shrunk toward ``p``: a lookup draft whose first tokens matched tends to match on, which
+      a single ``p`` undervalues.
     * Draft lengths ``S(i)``: a decayed Kaplan-Meier estimate from the drafts seen. A draft
       shorter than the cap is the drafter's natural length; one at the cap says only
       ``L >= cap``. Lengths never seen are assumed to continue (optimism that explores).
@@ -282,17 +307,21 @@ class CapController:
     def __init__(self, cal: Calibration, max_cap: int | None = None, *, state: LearnedState | None = None,
                  alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03, repick_every: int = 4,
                  hysteresis: float = 1.03, park_after: int = 24, probe_every: int = 8, cost_decay: float = 0.01,
-                 cost_prior: float = 2.0):
+                 cost_prior: float = 0.5, position_prior: float = 4.0, position_decay: float = 0.01):
         self.cal = cal
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
         n = self.max_cap + 2
         self.state.at_risk = (self.state.at_risk + [0.0] * n)[:n]
         self.state.events = (self.state.events + [0.0] * n)[:n]
+        nb = _bucket(self.max_cap) + 1
+        self.state.accepted_at = (self.state.accepted_at + [0.0] * nb)[:nb]
+        self.state.tried_at = (self.state.tried_at + [0.0] * nb)[:nb]
         self.alpha, self.prior_weight, self.decay = alpha, prior_weight, decay
         self.repick_every, self.hysteresis = repick_every, hysteresis
         self.park_after, self.probe_every = park_after, probe_every
         self.cost_decay, self.cost_prior = cost_decay, cost_prior
+        self.position_prior, self.position_decay = position_prior, position_decay  # structure drifts slowly
         if len(self.state.cost) != 5:
             self.state.cost = [0.0] * 5
         self._since_repick = 0
@@ -331,13 +360,20 @@ class CapController:
         e, f = Ws + p0 * c0p, Wgs + p1
         det = a * d - b * b
         c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
-        return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.1), 10.0)
+        return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.02), 10.0)
 
     def corrected(self) -> "_Corrected":
         return _Corrected(self.cal, *self.cost_fit())
 
+    def acceptance(self) -> list[float]:
+        """p_i = P(draft i accepted | drafts before it were), i = 0..max_cap (index 0 unused):
+        per position bucket, shrunk toward the overall ``p`` with ``position_prior`` drafts."""
+        st, m = self.state, self.position_prior
+        per_bucket = [(a + m * st.p) / (t + m) for a, t in zip(st.accepted_at, st.tried_at)]
+        return [st.p] + [per_bucket[_bucket(i)] for i in range(1, self.max_cap + 1)]
+
     def rates(self) -> list[float]:
-        return rates(self.corrected(), self.state.p, self.survival(), self.max_cap)
+        return rates(self.corrected(), self.acceptance(), self.survival(), self.max_cap)
 
     # -- CapPolicy -------------------------------------------------------------------------
     def cap(self) -> int:
@@ -369,6 +405,14 @@ class CapController:
 
     def _learn_acceptance(self, drafted: int, accepted: int) -> None:
         st = self.state
+        if drafted > 0:
+            keep = 1.0 - self.position_decay
+            st.accepted_at = [x * keep for x in st.accepted_at]
+            st.tried_at = [x * keep for x in st.tried_at]
+            for i in range(1, min(drafted, accepted + 1, self.max_cap) + 1):
+                b = _bucket(i)
+                st.tried_at[b] += 1.0
+                st.accepted_at[b] += 1.0 if i <= accepted else 0.0
         outcomes = [1.0] * accepted + ([0.0] if accepted < drafted else [])  # censored at full accept
         for x in outcomes:
             st.tokens_seen += 1
