@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import sys
 
 from engine.errors import TandemError
 
@@ -22,7 +24,20 @@ def missing_dependencies() -> list[str]:
     return [name for name in ("PySide6", "pyqtgraph") if importlib.util.find_spec(name) is None]
 
 
+def no_display_reason() -> str | None:
+    """Qt aborts the process when Linux has no screen to open; say so in one line instead."""
+    if sys.platform != "linux" or os.environ.get("QT_QPA_PLATFORM"):
+        return None
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    return ("no display found (DISPLAY and WAYLAND_DISPLAY are unset): run it in a desktop session, or on a "
+            "virtual screen with `xvfb-run -a tandem app`; `tandem generate` and `tandem serve` need no display")
+
+
 def run(args: argparse.Namespace) -> int:
+    reason = no_display_reason()
+    if reason:
+        raise TandemError(reason)
     missing = missing_dependencies()
     if missing:
         raise TandemError(f"the desktop app needs {' and '.join(missing)}: {INSTALL_HINT}")
