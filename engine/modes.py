@@ -24,7 +24,7 @@ def make_drafter(engine: "Engine", mode: str) -> Drafter | None:
         return LookupDrafter()
     if mode == "draft":
         if not engine.draft_model_spec:
-            raise TandemError("--mode draft needs --draft-model (a small model sharing the target's tokenizer)")
+            raise TandemError("mode 'draft' needs a draft model (--draft-model): a small model sharing the target's tokenizer")
         from engine.drafters.draft_model import DraftModelDrafter, check_same_tokenizer
         from engine.loading import load_model
 
