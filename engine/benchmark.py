@@ -127,11 +127,30 @@ def divergence_margin(engine: "Engine", prompt_ids: Sequence[int], prefix: Seque
     forwards = target.forwards
     logits, _ = target.prefill(list(prompt_ids) + list(prefix), target.new_cache())
     target.forwards = forwards
+    native = logits.dtype
     logits = logits.astype(mx.float32)
     top = mx.argsort(-logits)[:2].tolist()
     v1, v2 = logits[top[0]].item(), logits[top[1]].item()
     return {"top1": int(top[0]), "top2": int(top[1]), "logit1": v1, "logit2": v2, "margin": v1 - v2,
-            "near_tie": (v1 - v2) <= TIE_MARGIN * max(1.0, abs(v1))}
+            "near_tie": is_near_tie(v1, v2, native), "logit_dtype": str(native).replace("mlx.core.", "")}
+
+
+def logit_ulp(value: float, dtype) -> float:
+    """One unit in the last place of ``value`` stored in ``dtype`` (bf16 logits are this coarse)."""
+    import math
+
+    import mlx.core as mx
+
+    mantissa = {mx.bfloat16: 7, mx.float16: 10}.get(dtype, 23)
+    exponent = math.frexp(max(abs(value), 1e-30))[1] - 1
+    return 2.0 ** (exponent - mantissa)
+
+
+def is_near_tie(v1: float, v2: float, dtype) -> bool:
+    """Top-2 logits closer than the float rounding of the target's own compute precision: a
+    width-1 and a width-k forward may order them either way (1e-3 relative in float32, two
+    units in the last place in bfloat16/float16)."""
+    return (v1 - v2) <= max(TIE_MARGIN * max(1.0, abs(v1)), 2 * logit_ulp(v1, dtype))
 
 
 def check_lossless(engine: "Engine", prompt_ids: Sequence[int], reference: Sequence[int], other: Sequence[int],

@@ -155,3 +155,15 @@ def test_cli_benchmark_end_to_end(cache_dir, tmp_path, monkeypatch, capsys):
     assert list(report["arms"]) == ["baseline", "lookup@4", "lookup@auto"] and report["lossless"]
     assert [p["class"] for p in report["prompts"]] == ["chat", "code", "math"]
     assert report["model"] and report["mlx"] and report["backend"] == "cpu"
+
+
+def test_near_tie_tolerance_follows_the_logit_precision():
+    import mlx.core as mx
+
+    from engine.benchmark import is_near_tie, logit_ulp
+
+    assert logit_ulp(3.0, mx.bfloat16) == 2 ** -6  # 3 = 1.5 * 2^1, 7 mantissa bits
+    assert is_near_tie(3.0, 3.0 - 2 ** -6, mx.bfloat16)  # one bf16 step apart: a rounding tie
+    assert not is_near_tie(3.0, 2.9, mx.bfloat16)
+    assert not is_near_tie(3.0, 3.0 - 2 ** -6, mx.float32)  # in float32 that gap is real
+    assert is_near_tie(3.0, 3.0 - 1e-4, mx.float32)
