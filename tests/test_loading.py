@@ -12,22 +12,10 @@ import pytest
 from engine import loading, starter
 from engine.errors import TandemError
 
-from tests.test_gguf import one_line_error, reference_logits, write_tiny_gguf
+from tests.test_gguf import (  # noqa: F401  (the cache fixtures apply here too)
+    isolated_cache, one_line_error, reference_logits, tandem_cache, write_tiny_gguf)
 
 PROMPT = "What is the capital of France? Answer in one sentence."
-
-
-@pytest.fixture(scope="session")
-def tandem_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("tandem-cache")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def isolated_cache(tandem_cache):
-    """Never touch the user's cache; module scope so module fixtures see it too."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("TANDEM_CACHE_DIR", str(tandem_cache))
-        yield tandem_cache
 
 
 @pytest.fixture(scope="module")
