@@ -9,14 +9,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.drafters.base import Draft, Drafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.lookup import LookupDrafter
 from engine.errors import TandemError
 from engine.generate import Engine
 from engine.target import Target, TapLayer
 from tests.lossless import assert_same_greedy, first_divergence
-from tests.tiny import make_tiny_engine, make_tiny_model, make_tokenizer
+from tests.tiny import FixedDrafter, make_tiny_engine, make_tiny_model, make_tokenizer
 
 
 def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -69,19 +68,6 @@ def test_lookup_is_faster_in_forwards_on_copy_prompt(tiny_llama):
     assert look.target_forwards <= base.target_forwards
 
 
-class _ScriptedDrafter(Drafter):
-    """Proposes a fixed continuation: lets tests control how many drafts are accepted."""
-
-    name = "scripted"
-    max_draft = 8
-
-    def __init__(self, script):
-        self.script = script
-
-    def propose(self, ids, cap, sampler):
-        return Draft(mx.array(self.script[:cap], dtype=mx.uint32))
-
-
 def test_rollback_leaves_cache_as_clean_forward():
     model = make_tiny_model("llama", seed=5)
     target = Target(model)
@@ -113,7 +99,7 @@ def test_partial_acceptance_commits_argmax_after_accepted_prefix(tiny_llama):
     # Draft the true continuation for 3 tokens, then garbage: exactly 3 drafts accepted per first round.
     script = base[1:4] + [(base[4] + 1) % 90 + 2] * 4
     engine = make_tiny_engine("llama", seed=0)
-    engine.set_drafter("lookup", _ScriptedDrafter(script))
+    engine.set_drafter("lookup", FixedDrafter(script))
     res = run(engine, ids, "lookup", 12, max_draft=7)
     assert res.token_ids == base
     assert res.rounds[1] == (7, 3)

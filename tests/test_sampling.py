@@ -8,30 +8,17 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Drafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.sampling import Sampler, SamplingParams, target_probs
 from engine.speculative import decode
 from engine.target import Target
-from tests.tiny import make_tiny_model
+from tests.tiny import FixedDrafter, make_tiny_model
 
 VOCAB = 16
 PROMPT = [3, 4, 5, 9]
 SAMPLES = 20_000
 POSITIONS = 3  # token 1 comes from prefill, tokens 2-3 from the first speculative round
-
-
-class FixedDrafter(Drafter):
-    """Always proposes the same tokens with one-hot q, like n-gram lookup does."""
-
-    name = "fixed"
-    max_draft = 4
-
-    def __init__(self, tokens):
-        self.tokens = tokens
-
-    def propose(self, ids, cap, sampler):
-        return Draft(mx.array(self.tokens[:cap], dtype=mx.uint32))
 
 
 def exact_marginals(model, params: SamplingParams) -> np.ndarray:
@@ -80,7 +67,7 @@ def test_speculative_sampling_is_exact(kind, params):
         drafter = DraftModelDrafter(make_tiny_model("llama", seed=12, vocab=VOCAB, layers=1, hidden=32, scale=3.0),
                                     max_draft=4)
     else:
-        drafter = FixedDrafter([7, 7, 2, 5])
+        drafter = FixedDrafter([7, 7, 2, 5], max_draft=4)
     want = exact_marginals(model, params)
     got, drafted = empirical(target, drafter, params)
     assert drafted >= SAMPLES  # every sample went through a speculative round with drafts

@@ -7,6 +7,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from engine.drafters.base import Draft, Drafter
 from engine.generate import Engine
 
 VOCAB = 96
@@ -52,3 +53,17 @@ def make_tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, laye
 
 def make_tiny_engine(arch: str = "llama", seed: int = 0, **kw) -> Engine:
     return Engine(make_tiny_model(arch, seed, **kw), make_tokenizer(kw.get("vocab", VOCAB)), name=f"tiny-{arch}")
+
+
+class FixedDrafter(Drafter):
+    """Always proposes the same tokens (one-hot q, like n-gram lookup): lets tests control how
+    many drafts are accepted."""
+
+    name = "fixed"
+
+    def __init__(self, tokens, max_draft: int = 8):
+        self.tokens = list(tokens)
+        self.max_draft = max_draft
+
+    def propose(self, ids, cap, sampler):
+        return Draft(mx.array(self.tokens[:cap], dtype=mx.uint32))
