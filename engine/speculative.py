@@ -166,16 +166,18 @@ def decode(
 
 
 def _pipelined_steps(target: Target, cache: list, first: mx.array, sampler: Sampler, emit) -> Iterator:
-    """Plain decoding with the next forward queued before the current token is read."""
-    y = first
-    while True:
+    """Plain decoding with the next forward queued before the current token is read.
+    ``first`` was already emitted by the caller; each step queues the forward after ``y``."""
+
+    def queue_next(y: mx.array) -> mx.array:
         logits, _ = target.forward(y.reshape(1, 1).astype(mx.uint32), cache, last_only=True)
-        next_y = sampler.pick(logits[-1])
-        mx.async_eval(next_y)
-        if y is first:
-            # ``first`` was already emitted by the caller; only queue work here.
-            y = next_y
-            continue
+        nxt = sampler.pick(logits[-1])
+        mx.async_eval(nxt)
+        return nxt
+
+    y = queue_next(first)
+    while True:
+        next_y = queue_next(y)
         out, event, done = emit([y.item()], 0, 0, 0)
         yield out, event
         if done:

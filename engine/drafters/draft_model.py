@@ -38,10 +38,12 @@ class DraftModelDrafter(Drafter):
         self.max_draft = max_draft
         self._cache: list = []
         self._cached: list[int] = []  # tokens whose K/V the draft cache holds, in order
+        self._uncommitted = mx.array([], dtype=mx.uint32)  # drafts fed to the cache, not yet in _cached
 
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
         self._cache = make_prompt_cache(self.model)
         self._cached = []
+        self._uncommitted = mx.array([], dtype=mx.uint32)
         # Prefill all but the last prompt token now (the loop's anchor is fed at proposal time).
         head = list(prompt_ids)[:-1]
         for start in range(0, len(head), 512):
@@ -79,14 +81,13 @@ class DraftModelDrafter(Drafter):
             tokens.append(tok)
             if i + 1 < cap:
                 logits = self.model(tok.reshape(1, 1), cache=self._cache)[0, -1]
-        self._cached = list(ids) + [-1] * (cap - 1)  # placeholders until the drafts are known
         draft = Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
-        self._pending_drafts = draft.tokens
+        # The cache now also holds the first cap-1 drafts; their values are read after verify.
+        self._cached = list(ids)
+        self._uncommitted = draft.tokens[: cap - 1]
         return draft
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
-        # Replace the placeholders with the drafted tokens so _sync keeps the accepted ones.
-        n_ph = sum(1 for t in self._cached if t == -1)
-        if n_ph:
-            drafted = self._pending_drafts.tolist()[:n_ph]
-            self._cached = self._cached[: len(self._cached) - n_ph] + drafted
+        # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
+        self._cached += self._uncommitted.tolist()
+        self._uncommitted = mx.array([], dtype=mx.uint32)

@@ -66,7 +66,7 @@ class LookupDrafter(Drafter):
 
     def draft_length(self, match_len: int, cap: int) -> int:
         # A bare n-gram hit earns a short guess; each further matched token buys two more.
-        return min(cap, self.max_draft, 2 + 2 * (match_len - self.min_ngram) + 2)
+        return min(cap, self.max_draft, 4 + 2 * (match_len - self.min_ngram))
 
     def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
         start, length = self.match(ids)
