@@ -871,6 +871,12 @@ def generate_stage(engine: Any, args: argparse.Namespace, data: Path, log: Calla
     log(f"greedy answers: {sum(len(e.answer) for e in everything)} tokens in {time.time() - t0:.0f}s")
 
     extra: list[Example] = []
+
+    def save_extra() -> None:  # after every phase: a stopped run keeps what it finished
+        if extra:
+            save_examples(data / "extra.jsonl.gz", extra)
+            log(f"extra answers so far: {len(extra)} sequences, {sum(len(e.answer) for e in extra)} tokens")
+
     frame = chat_frame(engine.tokenizer)
     if args.self_prompts and frame is None:
         log("self-prompts skipped: the target has no chat template")
@@ -881,15 +887,14 @@ def generate_stage(engine: Any, args: argparse.Namespace, data: Path, log: Calla
         for p, ans in zip(prompts, answer(prompts, "self-prompt answers", seed=2)):
             if ans:
                 extra.append(Example("self", p, ans))
+        save_extra()
     for k in range(args.samples_per_prompt):
         if deadline is not None and time.time() > deadline:
             break
         answers = answer([e.prompt for e in train_ex], f"samples {k + 1}/{args.samples_per_prompt}",
                          temperature=args.sample_temperature, seed=10 + k)
         extra += [Example(e.source, e.prompt, a) for e, a in zip(train_ex, answers) if a]
-    if extra:
-        save_examples(data / "extra.jsonl.gz", extra)
-        log(f"extra answers: {len(extra)} sequences, {sum(len(e.answer) for e in extra)} tokens")
+        save_extra()
     log(f"generate stage: {time.time() - t0:.0f}s")
 
 

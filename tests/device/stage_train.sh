@@ -14,8 +14,9 @@
 #   call 2: carry [".devB"]  command: bash .devB/install.sh && bash .devB/smoke.sh
 #           (installs; the train tests on a tiny random target, on the GPU; SMOKE=0 skips them)
 #   (when the script made .devD: carry [".devD"]  command: bash .devD/keep.sh, before call 3)
-#   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate answers, train; ~9.5 min)
-#   call 4 (optional, warm): carry [".devC"]  command: bash .devC/extend.sh   (more training)
+#   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate the answers; ~9 min)
+#   call 4: carry [".devC"]  command: bash .devC/train.sh    (train; ~9.5 min)
+#   call 5 (optional, warm): carry [".devC"]  command: RUN_SECONDS=... bash .devC/extend.sh   (more training)
 # Results land in $OUT: drafter-model.safetensors, drafter-config.json, train.log, log.jsonl,
 # train.jsonl.gz / eval.jsonl.gz (the answers) and run.log.
 set -euo pipefail
@@ -90,7 +91,8 @@ export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 EOS
 
 cat > .devC/run.sh <<EOS
-# Assemble the starter GGUF, then generate answers and train within this call's 600 s.
+# Assemble the starter GGUF, then generate the training answers within this call's 600 s
+# (bfloat16 target and KV cache: about twice the tokens of float32; float32 if that fails).
 set -uo pipefail
 export PYTHONPATH=/root/site:\$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
 mkdir -p /root/work
@@ -98,13 +100,25 @@ cat /root/keep/g.aa /root/keep/g.ab \$(ls /root/keep/g.ad 2>/dev/null) .devC/g.a
 echo "$gguf_sum  /root/work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
 [ -d /root/work/run ] || cp -r .devC/run /root/work/run
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-TL=\$(( \${RUN_SECONDS:-570} - SECONDS ))
-python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
-  --stages generate,train --max-new-tokens 512 --gen-batch 512 --gen-time-limit \${GEN_SECONDS:-150} \\
-  --self-prompts 2048 --samples-per-prompt 2 --sample-temperature 0.7 \\
-  --layers 2 --block-size 7 --markov-rank 16 --intermediate-size 896 \\
-  --batch-seqs 16 --anchors 128 --lr 5e-4 --val-seqs 96 --eval-every 250 --checkpoint-every 500 --log-every 50 \\
-  --time-limit \$TL --mirror \$OUT \${EXTRA_ARGS:-} 2>&1 | tee \$OUT/run.log
+gen() {
+  python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
+    --stages generate --max-new-tokens 512 --gen-batch \${GEN_BATCH:-1024} --target-dtype \$1 \\
+    --gen-time-limit \$(( \${GEN_SECONDS:-500} - SECONDS )) --self-prompts \${SELF_PROMPTS:-8192} \\
+    --samples-per-prompt \${SAMPLES:-3} --sample-temperature 0.7 --mirror \$OUT 2>&1 | tee -a \$OUT/run.log
+}
+gen bfloat16 || { rm -f /root/work/run/data/train.jsonl.gz; gen float32; }
+ls -la /root/work/run/data
+EOS
+
+# Train (float32 target, as the engine runs it on a CPU), then optionally extend, each within a call.
+cat > .devC/train.sh <<'EOS'
+set -uo pipefail
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
+TL=$(( ${RUN_SECONDS:-575} - SECONDS ))
+python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
+  --stages train --layers 2 --block-size 7 --markov-rank 16 --intermediate-size ${INTER:-0} \
+  --batch-seqs ${BATCH:-32} --anchors ${ANCHORS:-128} --lr ${LR:-6e-4} --val-seqs 96 --eval-every 500 \
+  --checkpoint-every 500 --log-every 50 --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
 EOS
 
 cat > .devC/extend.sh <<'EOS'
@@ -113,7 +127,7 @@ set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
 TL=$(( ${RUN_SECONDS:-280} - SECONDS ))
 python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
-  --stages train --extend --log-every 25 --eval-every 250 --checkpoint-every 250 \
+  --stages train --extend --log-every 50 --eval-every 500 --checkpoint-every 500 \
   --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
 EOS
 
