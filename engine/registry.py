@@ -10,7 +10,9 @@ drafter bundled with the app.
 ``auto_mode`` picks, in order: baseline when the target's cache cannot be rolled back; the
 checkpoint's own format when the user gave ``--drafter``; the first registry row whose drafter
 is on this machine and passes the compatibility checks; else n-gram lookup. So every model
-runs, and a mode that needs a missing file is never chosen silently.
+runs, and a mode that needs a missing file is never chosen silently. A row with
+``"auto": false`` (and a ``"why"``) still gives ``--mode dspark/dflash`` its drafter, but
+``--mode auto`` passes it over: measured slower than lookup for that target.
 """
 
 from __future__ import annotations
@@ -137,9 +139,9 @@ def _usable(row: dict, engine: "Engine") -> bool:
     return cfg.kind == row["mode"]
 
 
-def usable_row(engine: "Engine", mode: str | None = None) -> dict | None:
+def usable_row(engine: "Engine", mode: str | None = None, *, for_auto: bool = False) -> dict | None:
     for row in rows_for(engine, mode):
-        if _usable(row, engine):
+        if (not for_auto or row.get("auto", True)) and _usable(row, engine):
             return row
     return None
 
@@ -177,7 +179,7 @@ def auto_mode(engine: "Engine") -> str:
     if engine.drafter_path:
         path = block.resolve_drafter_path(engine.drafter_path)
         return block.checkpoint_kind(block.read_config(path), f"drafter {path}")
-    row = usable_row(engine)
+    row = usable_row(engine, for_auto=True)
     return row["mode"] if row else "lookup"
 
 
@@ -227,8 +229,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"No registered drafter for {args.model} (base name '{base_name(args.model)}'); --mode auto uses lookup.")
         return 0
     print(f"Drafter registry ({registry_path()}):")
-    print(_table(["target", "base-name match", "mode", "drafter", "local"],
-                 [[r["target"], r["base_name"], r["mode"], r["drafter"], r["local"]] for r in table]))
+    print(_table(["target", "base-name match", "mode", "drafter", "local", "auto"],
+                 [[r["target"], r["base_name"], r["mode"], r["drafter"], r["local"],
+                   "yes" if r.get("auto", True) else "no"] for r in table]))
     print("\nlocal: 'yes' = bundled or in the local Hugging Face cache (never downloaded automatically).",
           file=sys.stdout)
+    print("auto: 'no' = used by --mode dspark/dflash, passed over by --mode auto (see the row's 'why').")
     return 0

@@ -99,6 +99,19 @@ def test_auto_mode_uses_a_cached_registered_drafter_else_lookup(hub, tiny_rows):
     assert "does not fit" in registry.missing_drafter_message(other, "dspark")
 
 
+def test_a_row_marked_auto_false_serves_its_mode_but_not_auto(hub, tiny_rows):
+    data = json.loads(tiny_rows.read_text())
+    data["pairs"] = [dict(data["pairs"][0], auto=False, why="measured slower than lookup")]
+    tiny_rows.write_text(json.dumps(data))
+    engine = make_tiny_engine("qwen3", seed=1)
+    engine.name = "Tiny-Qwen3"
+    _fake_hf_cache(hub, "test-org/tiny-dspark", engine)
+    assert registry.auto_mode(engine) == "lookup"
+    assert registry.drafter_for(engine, "dspark") == "test-org/tiny-dspark"
+    assert engine.generate([5, 6, 7], mode="dspark", max_new_tokens=4).generated == 4
+    assert engine.generate([5, 6, 7], mode="auto", max_new_tokens=4).mode == "lookup"
+
+
 def test_auto_mode_follows_an_explicit_drafter_and_refuses_a_bad_one(tmp_path):
     engine = make_tiny_engine("qwen3", seed=1)
     tc = ck.target_config_of(engine.model)

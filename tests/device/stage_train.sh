@@ -2,7 +2,7 @@
 # Stage `tandem train-drafter` for the starter model (SmolLM2-135M-Instruct) on the H200 device
 # machine, which has no package registry and no network. Run here, in the project root.
 #
-# What travels, in three back-to-back calls (the machine stays warm ~30 s between calls; each
+# What travels, in back-to-back calls (the machine is released after ~30 s idle; each
 # call carries < 64 MiB with the working tree):
 #   MLX 0.32.4 + mlx-cuda-13 + mlx-lm (../shared/device/stage-mlx-cuda.sh makes .devA/.devB),
 #   the gguf wheel (pure Python; the device has numpy/pyyaml/tqdm/requests),
@@ -110,6 +110,15 @@ gen bfloat16 || { rm -f /root/work/run/data/train.jsonl.gz; gen float32; }
 ls -la /root/work/run/data
 EOS
 
+# Files come back from $OUT at most 16 MiB each: a larger drafter comes back in parts
+# (here: cat drafter-model.safetensors.part* > model.safetensors).
+cat > .devC/split.sh <<'EOS'
+cd "$OUT" && f=drafter-model.safetensors
+if [ -f $f ] && [ "$(stat -c%s $f)" -gt 15000000 ]; then
+  sha256sum $f && split -b 15000000 -d $f $f.part && rm $f
+fi
+EOS
+
 # Train (float32 target, as the engine runs it on a CPU), then optionally extend, each within a call.
 cat > .devC/train.sh <<'EOS'
 set -uo pipefail
@@ -119,6 +128,7 @@ python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_
   --stages train --layers 2 --block-size 7 --markov-rank 16 --intermediate-size ${INTER:-0} \
   --batch-seqs ${BATCH:-32} --anchors ${ANCHORS:-128} --lr ${LR:-6e-4} --val-seqs 96 --eval-every 500 \
   --checkpoint-every 500 --log-every 50 --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
+bash .devC/split.sh
 EOS
 
 cat > .devC/extend.sh <<'EOS'
@@ -129,6 +139,7 @@ TL=$(( ${RUN_SECONDS:-280} - SECONDS ))
 python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
   --stages train --extend --log-every 50 --eval-every 500 --checkpoint-every 500 \
   --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
+bash .devC/split.sh
 EOS
 
 for d in .devA .devB $(ls -d .devD 2>/dev/null) .devC; do
