@@ -14,7 +14,8 @@ from engine.generate import Chunk, Engine, GenerationResult, Prompt
 
 
 def load(model: str | None = None, *, drafter: str | None = None, draft_model: str | None = None,
-         drafter_bits: int | None = None, confidence_threshold: float | None = None) -> Engine:
+         drafter_bits: int | None = None, confidence_threshold: float | None = None,
+         draft_vocab: int | None = None) -> Engine:
     """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter)."""
     from engine.loading import load_model
 
@@ -24,6 +25,7 @@ def load(model: str | None = None, *, drafter: str | None = None, draft_model: s
     eng.draft_model_spec = draft_model
     eng.drafter_bits = drafter_bits
     eng.confidence_threshold = confidence_threshold
+    eng.draft_vocab = draft_vocab
     return eng
 
 

@@ -19,6 +19,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize drafter weights to this many bits where quantized matmul is fast (Metal/CUDA; default 4)")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="DSpark: cut a draft where the running product of confidences falls below this")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="DSpark: draft from the first N tokens of the drafter's draft_vocab.json (most frequent "
+                        "first); 0 = the full vocabulary; default: every token the file lists")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,7 +60,8 @@ def load_engine(args: argparse.Namespace):
 
     return load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
                 drafter_bits=getattr(args, "drafter_bits", None),
-                confidence_threshold=getattr(args, "confidence_threshold", None))
+                confidence_threshold=getattr(args, "confidence_threshold", None),
+                draft_vocab=getattr(args, "draft_vocab", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from engine.errors import TandemError
-from engine.train_data import (Batch, Example, batch_at, batches_per_epoch, content_class, encode_prompts,
-                               load_examples, make_batch, save_examples, usable)
+from engine.train_data import (Batch, Example, batch_at, batches_per_epoch, content_class, draft_vocabulary,
+                               encode_prompts, load_examples, make_batch, save_examples, usable)
 
 NEG = -1e9  # masked attention score (every block row always sees its own block, so no row is all-masked)
 
@@ -398,6 +398,8 @@ class Trainer:
         if not self.train:
             raise TandemError("train-drafter: no usable training example (answers of at least 2 tokens)")
         self.lengths = [len(e.prompt) + len(e.answer) for e in self.train]
+        eos = getattr(engine.tokenizer, "eos_token_ids", None) or []
+        self.draft_vocab = draft_vocabulary(self.train, engine.target.vocab_size, always=sorted(int(e) for e in eos))
         self.state = TrainState(total_steps=cfg.steps)
         old = self.out / "checkpoint.old"
         if not self.ckpt.exists() and (old / "state.json").is_file():  # stopped while swapping checkpoints
@@ -480,6 +482,7 @@ class Trainer:
         tmp = self.export_dir.with_name(self.export_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         block.save_drafter(self.model, config, tmp, dtype=self.cfg.export_dtype)
+        (tmp / block.DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab) + "\n", encoding="utf-8")
         self.export_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
             f.replace(self.export_dir / f.name)
@@ -910,7 +913,8 @@ def _mirror(out: Path, dest: Path, log: Callable[[str], None]) -> Callable[[], N
 
     def copy() -> None:
         dest.mkdir(parents=True, exist_ok=True)
-        for src in (out / "drafter" / "model.safetensors", out / "drafter" / "config.json", out / "train.log",
+        for src in (out / "drafter" / "model.safetensors", out / "drafter" / "config.json",
+                    out / "drafter" / "draft_vocab.json", out / "train.log",
                     out / "data" / "train.jsonl.gz", out / "data" / "eval.jsonl.gz", out / "log.jsonl"):
             if src.is_file():
                 target = dest / (src.name if src.parent.name != "drafter" else f"drafter-{src.name}")

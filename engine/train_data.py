@@ -231,6 +231,34 @@ def decode_all(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int,
 
 
 # ----------------------------------------------------------------------------------------
+# Draft vocabulary (FR-Spec)
+# ----------------------------------------------------------------------------------------
+def draft_vocabulary(examples: Sequence[Example], vocab_size: int, *, coverage: float = 0.999,
+                     minimum: int = 1024, always: Iterable[int] = ()) -> dict:
+    """The ``draft_vocab.json`` content for a drafter trained on ``examples``: the answer
+    tokens by frequency, as many as cover ``coverage`` of the answer tokens (at least
+    ``minimum``, rounded up to a multiple of 256), plus ``always`` (EOS)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ex in examples:
+        if ex.answer:
+            np.add.at(counts, np.asarray(ex.answer, dtype=np.int64), 1)
+    total = int(counts.sum())
+    if total == 0:
+        raise TandemError("no answer tokens to count for a draft vocabulary")
+    order = np.argsort(-counts, kind="stable")
+    cum = np.cumsum(counts[order]) / total
+    n = int(np.searchsorted(cum, coverage)) + 1
+    n = min(vocab_size, -(-max(n, minimum) // 256) * 256)
+    ids = [int(i) for i in order[:n]]
+    listed = set(ids)
+    ids += [int(i) for i in always if 0 <= int(i) < vocab_size and int(i) not in listed]
+    covered = float(counts[ids].sum()) / total
+    return {"token_ids": ids, "coverage": round(covered, 6), "counted_tokens": total,
+            "about": "tokens a DSpark drafter drafts from (FR-Spec), most frequent first, counted over the "
+                     "target's own training answers; tandem --draft-vocab N keeps the first N, 0 disables"}
+
+
+# ----------------------------------------------------------------------------------------
 # Batches and anchors
 # ----------------------------------------------------------------------------------------
 def usable(examples: Sequence[Example], *, block_size: int, max_len: int) -> list[Example]:

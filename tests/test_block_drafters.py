@@ -421,7 +421,7 @@ def chi_square_z(observed: np.ndarray, expected: np.ndarray) -> float:
     return ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / np.sqrt(2 / (9 * df))
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark+vocab", "dflash"])
 def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     """20k sampled tokens through the real loop (decode), the real drafter and the verify rule
     match the target's exact distribution.
@@ -430,15 +430,20 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     of the exact, truncated next-token distribution of the token before it: each of the 20k
     tokens is checked, not just the first few. The drafter's own distribution q differs from
     the target's (acceptance well below 1), so the rule's rejections and residual draws are
-    exercised; long sequences keep each round cheap."""
+    exercised; long sequences keep each round cheap. With a draft vocabulary (dspark+vocab)
+    q is zero on the unlisted tokens, which the target still produces through rejections."""
     vocab, per_seq, seqs = 16, 500, 40
     params = SamplingParams(temperature=1.0, top_k=12)
-    if kind == "dspark":
+    unlisted = [1, 4, 7, 10, 13]
+    if kind.startswith("dspark"):
         engine = context_free_engine(seed=5)
-        path = exact_markov_dspark(tmp_path / kind, engine, taps=[0])
+        path = exact_markov_dspark(tmp_path / "dspark", engine, taps=[0])
         weights = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
         weights["markov_head.markov_w2.weight"] *= 1.3  # q sharper than p
         ck.write(path, json.loads((path / "config.json").read_text()), weights)
+        if kind == "dspark+vocab":
+            listed = [t for t in range(vocab) if t not in unlisted]
+            (path / block.DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": listed[::-1]}))
         cap = 7
     else:
         engine = context_free_engine(seed=7, spread=0.2)
@@ -448,7 +453,8 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
                 w[k] = np.zeros_like(w[k])
         path = ck.write(tmp_path / kind, cfg, w)
         cap = 15
-    drafter = drafter_for(engine, path, kind)
+    drafter = drafter_for(engine, path, kind.split("+")[0])
+    assert (getattr(drafter, "vocab_ids", None) is not None) == (kind == "dspark+vocab")
     target = engine.target
     exact = np.array(target_probs(engine.model(mx.array([[x] for x in range(vocab)]))[:, -1], params), dtype=np.float64)
     observed = np.zeros((vocab, vocab))
@@ -481,6 +487,8 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     drafter.begin(ids[:-1], hidden)
     q = np.array(drafter.propose(ids, 1, Sampler(SamplingParams(1.0, 1.0, 12, seed=0))).probs[0])
     assert 0.5 * np.abs(q - exact[4]).sum() > 0.03
+    if kind == "dspark+vocab":
+        assert q[unlisted].sum() == 0 and abs(q.sum() - 1) < 1e-5 and observed[:, unlisted].sum() > 1000
 
 
 def test_sampled_drafts_are_draws_from_the_reported_q(tmp_path):

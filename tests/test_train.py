@@ -129,6 +129,8 @@ def test_saved_drafter_reloads_through_the_loader_and_drafts_identically(tiny, t
     assert config["use_target_embeddings"] is True
     assert "embed_tokens.weight" not in saved and "lm_head.weight" not in saved  # the target's, not shipped
     assert "markov_head.markov_w1.weight" in saved and "confidence_head.proj.weight" in saved
+    vocab = json.loads((out / "draft_vocab.json").read_text())  # every answer token, most frequent first
+    assert {t for e in exs for t in e.answer} <= set(vocab["token_ids"]) and vocab["coverage"] == 1.0
 
     eng.drafter_path = str(out)
     eng._drafters.clear()

@@ -121,6 +121,8 @@ class BlockConfig:
     # DSpark: embed_tokens/lm_head are the target's (frozen copies in DeepSpec), so the
     # checkpoint leaves them out and the loader takes them from the target (tandem train-drafter)
     use_target_embeddings: bool = False
+    # DSpark: token ids the head was restricted to (restrict_vocab); empty = the full vocabulary
+    draft_vocab: tuple[int, ...] = field(default=(), repr=False)
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -481,7 +483,8 @@ class DSparkModel(BlockBackbone):
             self.confidence_head = ConfidenceHead(cfg.hidden_size + extra)
 
     def logits(self, h: mx.array) -> mx.array:
-        if self.cfg.tie_word_embeddings:
+        """[..., V] logits, or [..., N] over ``cfg.draft_vocab`` once ``restrict_vocab`` ran."""
+        if self.cfg.tie_word_embeddings and not self.cfg.draft_vocab:
             return self.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
@@ -604,6 +607,47 @@ def check_weights(model: nn.Module, weights: dict[str, mx.array], where: str = "
             raise TandemError(f"{where}: wrong shape for {k}: {list(got)} in the checkpoint, expected {list(shape)}")
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: Path, vocab_size: int, where: str = "drafter") -> list[int] | None:
+    """The token ids a drafter folder's ``draft_vocab.json`` lists (most frequent first), or
+    None without one. A damaged file is refused, never half-used."""
+    f = Path(path) / DRAFT_VOCAB_FILE
+    if not f.is_file():
+        return None
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TandemError(f"{where}: unreadable {DRAFT_VOCAB_FILE} ({type(e).__name__}: {str(e)[:80]})") from None
+    ids = data.get("token_ids") if isinstance(data, dict) else None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TandemError(f"{where}: {DRAFT_VOCAB_FILE} needs 'token_ids', a non-empty list of token ids")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise TandemError(f"{where}: {DRAFT_VOCAB_FILE} lists token ids outside the vocabulary (0..{vocab_size - 1}): {bad[:5]}")
+    if len(set(ids)) != len(ids):
+        raise TandemError(f"{where}: {DRAFT_VOCAB_FILE} lists a token id more than once")
+    return ids
+
+
+def restrict_vocab(model: "DSparkModel", ids: Sequence[int]) -> None:
+    """FR-Spec: keep only these rows of the drafter's head and Markov output, so a proposal
+    reads len(ids) x H head weights instead of V x H. Drafts can then only be these tokens;
+    what the target accepts is unchanged (the verify rule sees the q drafts came from)."""
+    idx = mx.array([int(i) for i in ids], dtype=mx.uint32)
+    full = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
+    head = nn.Linear(model.cfg.hidden_size, len(ids), bias=False)
+    head.weight = full[idx]
+    model.lm_head = head
+    markov = getattr(model, "markov_head", None)
+    if markov is not None:
+        w2 = nn.Linear(markov.rank, len(ids), bias=False)
+        w2.weight = markov.markov_w2.weight[idx]
+        markov.markov_w2 = w2
+    model.cfg.draft_vocab = tuple(int(i) for i in ids)
+
+
 def quantize_drafter(model: nn.Module, bits: int, group_size: int = QUANT_GROUP) -> nn.Module:
     """Quantize Linear/Embedding layers in place (not the 1-output confidence head, whose
     threshold decision wants full precision)."""
@@ -644,8 +688,11 @@ def _compute_dtype(target: "Target") -> mx.Dtype:
 
 
 def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bits: int | None = None,
-                    dtype: mx.Dtype | None = None) -> tuple[BlockBackbone, BlockConfig]:
-    """Read, check (config, target compatibility, keys, shapes) and load a drafter folder."""
+                    dtype: mx.Dtype | None = None, draft_vocab: int | None = None) -> tuple[BlockBackbone, BlockConfig]:
+    """Read, check (config, target compatibility, keys, shapes) and load a drafter folder.
+
+    ``draft_vocab`` (DSpark): None drafts from every token the folder's ``draft_vocab.json``
+    lists (the full vocabulary without one), 0 from the full vocabulary, N from its first N."""
     where = f"drafter {path}"
     raw = read_config(path)
     cfg = parse_config(raw, where)
@@ -662,6 +709,12 @@ def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bi
     if shared:  # use_target_embeddings: the target's embedding and head, as at training
         copy_target_embeddings(model, target, dtype)
     model.load_weights(list(weights.items()), strict=not shared)
+    if cfg.kind == "dspark" and draft_vocab != 0:
+        if draft_vocab is not None and draft_vocab < 0:
+            raise TandemError(f"draft vocabulary size must be >= 0 (0: the full vocabulary), got {draft_vocab}")
+        ids = read_draft_vocab(path, cfg.vocab_size, where)
+        if ids is not None:
+            restrict_vocab(model, ids[:draft_vocab] if draft_vocab else ids)
     if bits:
         quantize_drafter(model, bits)
     model.eval()
@@ -737,7 +790,8 @@ def load_block_drafter(engine: "Engine", mode: str) -> Drafter:
         if spec is None:
             raise TandemError(registry.missing_drafter_message(engine, mode))
     path = resolve_drafter_path(spec)
-    model, cfg = load_checkpoint(path, engine.target, mode=mode, bits=drafter_bits(engine))
+    model, cfg = load_checkpoint(path, engine.target, mode=mode, bits=drafter_bits(engine),
+                                 draft_vocab=getattr(engine, "draft_vocab", None))
     if cfg.kind == "dspark":
         from engine.drafters.dspark import DSparkDrafter
 

@@ -7,6 +7,11 @@ when sampling; q_k is what the verify rule receives). The confidence head scores
 ``[h_k; W1[x_{k-1}]]``; the draft keeps slots while the running product of the scores stays at
 or above the threshold. That decision for slot k depends only on the tokens before it, so it
 is a stopping rule and the verify rule stays exact; greedy output never changes.
+
+With a draft vocabulary (the drafter folder's ``draft_vocab.json``, FR-Spec), the head and the
+Markov output keep only the listed tokens' rows: a proposal reads N x H head weights instead of
+V x H, drafts are drawn from the listed tokens only, and q is zero elsewhere. The verify rule
+is exact for any q that drafts are really drawn from, so this changes speed, never output.
 """
 
 from __future__ import annotations
@@ -24,20 +29,24 @@ if TYPE_CHECKING:
     from engine.target import Target
 
 
-def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler
+def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler, vocab: mx.array | None = None
                  ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Draft tokens [k], their distributions q [k, V] (None when greedy) and the previous
-    token of each slot [k] from block states h [k, H]. All lazy."""
+    token of each slot [k] from block states h [k, H]. All lazy.
+
+    ``vocab`` [N]: the token ids of the logits' columns when the head was restricted to a
+    draft vocabulary; q is then zero outside it (drafts are still exact samples of q)."""
     base = model.logits(h)
+    to_token = (lambda i: i) if vocab is None else (lambda i: vocab[i])
     head = getattr(model, "markov_head", None)
     prev = mx.array(anchor, dtype=mx.uint32)
     if head is None:  # no chain: every slot is independent
         if sampler.greedy:
-            q, tokens = None, mx.argmax(base, axis=-1).astype(mx.uint32)
+            q, tokens = None, to_token(mx.argmax(base, axis=-1)).astype(mx.uint32)
         else:
             q = sampler.probs(base)
-            tokens = sample_from(q, sampler.next_key()).astype(mx.uint32)
-        return tokens, q, mx.concatenate([prev[None], tokens[:-1]])
+            tokens = to_token(sample_from(q, sampler.next_key())).astype(mx.uint32)
+        return tokens, _full_vocab(q, vocab, model.cfg.vocab_size), mx.concatenate([prev[None], tokens[:-1]])
     state = head.initial_state(h.dtype)
     tokens, probs, prevs = [], [], []
     for k in range(h.shape[0]):
@@ -50,9 +59,19 @@ def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler
             q = sampler.probs(logits)
             probs.append(q)
             tok = sample_from(q, sampler.next_key())
-        prev = tok.astype(mx.uint32)
+        prev = to_token(tok).astype(mx.uint32)
         tokens.append(prev)
-    return mx.stack(tokens), (mx.stack(probs) if probs else None), mx.stack(prevs)
+    q = _full_vocab(mx.stack(probs), vocab, model.cfg.vocab_size) if probs else None
+    return mx.stack(tokens), q, mx.stack(prevs)
+
+
+def _full_vocab(q: mx.array | None, vocab: mx.array | None, size: int) -> mx.array | None:
+    """q over a draft vocabulary [k, N] -> over the target's vocabulary [k, V] (zeros elsewhere)."""
+    if q is None or vocab is None:
+        return q
+    full = mx.zeros((q.shape[0], size), dtype=q.dtype)
+    full[:, vocab] = q
+    return full
 
 
 def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
@@ -79,6 +98,7 @@ class DSparkDrafter(BlockDrafter):
         super().__init__(model, cfg, target)
         self._threshold = confidence_threshold if callable(confidence_threshold) else (lambda: confidence_threshold)
         self.threshold()  # validate now
+        self.vocab_ids = mx.array(cfg.draft_vocab, dtype=mx.uint32) if cfg.draft_vocab else None
 
     def threshold(self) -> float | None:
         value = self._threshold()
@@ -96,7 +116,7 @@ class DSparkDrafter(BlockDrafter):
         if cap <= 0:
             return None
         h = self.block_states(ids)[:cap]  # the backbone always runs the full block
-        tokens, q, prevs = chain_tokens(self.model, h, int(ids[-1]), sampler)
+        tokens, q, prevs = chain_tokens(self.model, h, int(ids[-1]), sampler, self.vocab_ids)
         threshold = self.threshold()
         if threshold is not None:
             keep = confident_prefix(confidences(self.model, h, prevs), threshold)

@@ -1,0 +1,109 @@
+"""Draft vocabularies (FR-Spec): a DSpark drafter folder's draft_vocab.json restricts the head
+and the Markov output to the listed tokens. Drafts come only from them, the logits over them
+are the full head's, output stays the target's own (greedy here; sampled exactness in
+test_block_drafters), and a damaged file is refused with its reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.drafters.block import DRAFT_VOCAB_FILE
+from engine.errors import TandemError
+from engine.sampling import Sampler, SamplingParams
+from engine.train_data import Example, draft_vocabulary
+from tests.lossless import assert_same_greedy
+from tests.test_block_drafters import _refusal, prompts, write_dspark
+from tests.tiny import make_tiny_engine
+
+GREEDY = Sampler(SamplingParams())
+LISTED = [int(t) for t in np.random.default_rng(3).permutation(96)[:40]]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    engine = make_tiny_engine("llama", seed=6)  # vocab 96
+    path = write_dspark(tmp_path / "d", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0)
+    (path / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": LISTED}))
+    engine.drafter_path = str(path)
+    return engine
+
+
+def _drafter(engine, n):
+    engine.draft_vocab = n
+    return engine.drafter("dspark")
+
+
+def test_drafts_come_from_the_listed_tokens_with_the_full_heads_logits(setup):
+    engine = setup
+    full, sub, first8 = _drafter(engine, 0), _drafter(engine, None), _drafter(engine, 8)
+    assert full.vocab_ids is None and sub.model.lm_head.weight.shape[0] == 40
+    assert np.array(first8.vocab_ids).tolist() == LISTED[:8]
+    idx = mx.array(LISTED)
+    assert mx.array_equal(sub.model.lm_head.weight, full.model.lm_head.weight[idx]).item()
+    assert mx.array_equal(sub.model.markov_head.markov_w2.weight, full.model.markov_head.markov_w2.weight[idx]).item()
+    engine.target.set_taps(sub.tap_layers)
+    seen = set()
+    for ids in prompts(6, 96, seed=2):
+        ids = [5] + ids
+        _, hidden = engine.target.prefill(ids[:-1], engine.target.new_cache(), tap=True)
+        sub.begin(ids[:-1], hidden)
+        tokens = np.array(sub.propose(ids, 7, GREEDY).tokens).tolist()
+        seen |= set(tokens)
+        # slot 0: the full head's argmax over the listed columns (the Markov bias included)
+        full.begin(ids[:-1], hidden)
+        h = full.block_states(ids)[:1]
+        bias, _ = full.model.markov_head.step(mx.array(ids[-1], dtype=mx.uint32), h[0], None)
+        logits = (full.model.logits(h)[0] + bias)[idx]
+        assert tokens[0] == LISTED[int(mx.argmax(logits).item())]
+    assert seen <= set(LISTED) and len(seen) > 3
+
+
+def test_greedy_output_is_unchanged(setup):
+    engine = setup
+    engine.draft_vocab = None
+    drafted = 0
+    for i, ids in enumerate(prompts(8, 96, seed=4)):
+        n = [3, 9, 20, 40][i % 4]
+        base = engine.generate(ids, mode="baseline", max_new_tokens=n)
+        res = engine.generate(ids, mode="dspark", max_new_tokens=n, max_draft=0)
+        assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"prompt {i}")
+        drafted += res.drafted
+    assert drafted > 0 and engine.drafter("dspark").vocab_ids is not None
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("{not json", "unreadable draft_vocab.json"),
+    (json.dumps({"token_ids": []}), "needs 'token_ids'"),
+    (json.dumps({"ids": [1, 2]}), "needs 'token_ids'"),
+    (json.dumps({"token_ids": [1, 2, 96]}), "outside the vocabulary (0..95): [96]"),
+    (json.dumps({"token_ids": [1, 2, 2]}), "more than once"),
+    (json.dumps({"token_ids": [1, True]}), "needs 'token_ids'"),
+])
+def test_a_damaged_draft_vocabulary_is_refused(setup, content, reason):
+    engine = setup
+    (Path(engine.drafter_path) / DRAFT_VOCAB_FILE).write_text(content)
+    msg = _refusal(engine, engine.drafter_path)
+    assert reason in msg and "draft_vocab.json" in msg
+    engine.draft_vocab = 0  # the full vocabulary never reads the file
+    assert engine.generate([5, 6, 7], mode="dspark", max_new_tokens=3).generated == 3
+
+
+def test_negative_size_is_refused(setup):
+    setup.draft_vocab = -1
+    assert "must be >= 0" in _refusal(setup, setup.drafter_path)
+
+
+def test_vocabulary_from_answers_covers_what_was_asked():
+    answers = [Example("gsm8k", [1], [7] * 50 + [8] * 30 + [9] * 15 + [10] * 4 + [11]) for _ in range(3)]
+    v = draft_vocabulary(answers, 5000, coverage=0.95, minimum=1, always=[4000])
+    assert v["token_ids"][:3] == [7, 8, 9] and len(v["token_ids"]) == 257  # 256 (rounded up) + EOS
+    assert v["token_ids"][-1] == 4000 and v["coverage"] == 1.0 and v["counted_tokens"] == 300
+    small = draft_vocabulary(answers, 5000, coverage=0.5, minimum=1)
+    assert len(small["token_ids"]) == 256 and small["token_ids"][0] == 7
+    with pytest.raises(TandemError, match="no answer tokens"):
+        draft_vocabulary([Example("x", [1], [])], 10)
