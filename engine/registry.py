@@ -234,5 +234,8 @@ def run(args: argparse.Namespace) -> int:
                    "yes" if r.get("auto", True) else "no"] for r in table]))
     print("\nlocal: 'yes' = bundled or in the local Hugging Face cache (never downloaded automatically).",
           file=sys.stdout)
-    print("auto: 'no' = used by --mode dspark/dflash, passed over by --mode auto (see the row's 'why').")
+    print("auto: 'no' = used by --mode dspark/dflash, passed over by --mode auto:")
+    for r in table:
+        if not r.get("auto", True):
+            print(f"  {r['target']} ({r['mode']}): {r.get('why', 'measured slower than lookup')}")
     return 0

@@ -153,6 +153,9 @@ def test_tandem_models_prints_the_table(capsys, hub):
     assert cli_main(["models", "--model", "mlx-community/Qwen3-8B-4bit"]) == 0
     out = capsys.readouterr().out
     assert "z-lab/Qwen3-8B-DFlash-b16" in out and "Qwen3-14B" not in out
+    assert cli_main(["models", "--model", "SmolLM2-135M-Instruct"]) == 0  # the bundled drafter, not for auto
+    out = capsys.readouterr().out
+    assert "resources:drafters/smollm2-135m-dspark  yes    no" in out and "passed over by --mode auto" in out
     assert cli_main(["models", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert all(r["local"] in ("yes", "no", "unsupported") for r in data["registry"])

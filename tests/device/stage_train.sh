@@ -17,7 +17,8 @@
 #   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate the answers; ~9 min)
 #   call 4: carry [".devC"]  command: bash .devC/train.sh    (train; ~9.5 min)
 #   call 5 (optional, warm): carry [".devC"]  command: RUN_SECONDS=... bash .devC/extend.sh   (more training)
-# Results land in $OUT: drafter-model.safetensors, drafter-config.json, train.log, log.jsonl,
+# Results land in $OUT: drafter-model.safetensors (in 15 MB parts when larger), drafter-config.json,
+# drafter-draft_vocab.json, train.log, log.jsonl,
 # train.jsonl.gz / eval.jsonl.gz (the answers) and run.log.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
