@@ -107,3 +107,21 @@ def test_vocabulary_from_answers_covers_what_was_asked():
     assert len(small["token_ids"]) == 256 and small["token_ids"][0] == 7
     with pytest.raises(TandemError, match="no answer tokens"):
         draft_vocabulary([Example("x", [1], [])], 10)
+
+
+def test_a_quantized_drafter_keeps_its_draft_vocabulary(setup):
+    """Metal/CUDA quantize the drafter after the restriction: the smaller head is what they read."""
+    import mlx.nn as nn
+
+    from engine.drafters.block import load_checkpoint
+    from engine.drafters.dspark import DSparkDrafter
+
+    engine = setup
+    model, cfg = load_checkpoint(Path(engine.drafter_path), engine.target, mode="dspark", bits=4)
+    assert isinstance(model.lm_head, nn.QuantizedLinear) and model.lm_head.weight.shape[0] == len(LISTED)
+    drafter = DSparkDrafter(model, cfg, engine.target)
+    engine.target.set_taps(drafter.tap_layers)
+    ids = [5, 9, 14, 3, 22]
+    _, hidden = engine.target.prefill(ids[:-1], engine.target.new_cache(), tap=True)
+    drafter.begin(ids[:-1], hidden)
+    assert set(np.array(drafter.propose(ids, 7, GREEDY).tokens).tolist()) <= set(LISTED)
