@@ -18,7 +18,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter-bits", type=int, default=None,
                    help="quantize drafter weights to this many bits where quantized matmul is fast (Metal/CUDA; default 4)")
     p.add_argument("--confidence-threshold", type=float, default=None,
-                   help="DSpark: cut a draft where the running product of confidences falls below this")
+                   help="DSpark: cut a draft where the running product of confidences falls below this "
+                        "(default: the drafter's own setting, if it has one; 0 = never cut)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="DSpark: draft from the first N tokens of the drafter's draft_vocab.json (most frequent "
                         "first); 0 = the full vocabulary; default: every token the file lists")

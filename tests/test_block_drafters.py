@@ -337,6 +337,23 @@ def test_confidence_head_only_shortens_drafts(tmp_path):
     with pytest.raises(TandemError, match="confidence threshold must be in"):
         engine.generate([9, 10, 11], mode="dspark", max_new_tokens=5)
     engine.confidence_threshold = None
+    # A drafter's own default (config.json tandem.confidence_threshold) applies when the
+    # engine sets none; 0 turns it off; a bad value is refused at load.
+    mid = float(survival[3])
+    own = DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_threshold": mid}), target)
+    for setting, keep in ((None, int((survival >= mid).sum())), (0.0, 7)):
+        own._threshold = lambda s=setting: s
+        own.begin(ids[:-1], hidden)
+        assert own.propose(ids, 7, GREEDY).tokens.tolist() == untruncated[:keep]
+    with pytest.raises(TandemError, match="tandem.confidence_threshold must be a number"):
+        DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_threshold": "high"}), target)
+
+
+def dict_cfg(cfg, **raw):
+    """A copy of a drafter config whose config.json had these extra fields."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, raw={**cfg.raw, **raw})
 
 
 # ----------------------------------------------------------------------------------------

@@ -94,14 +94,24 @@ class DSparkDrafter(BlockDrafter):
     def __init__(self, model: DSparkModel, cfg: BlockConfig, target: "Target", *,
                  confidence_threshold: float | Callable[[], float | None] | None = None):
         """``confidence_threshold``: a value, or a callable read at every proposal (the
-        engine's setting, so changing it needs no reload). None or 0: no truncation."""
+        engine's setting, so changing it needs no reload). None: the drafter's own default
+        (config.json ``tandem.confidence_threshold``, set where it was measured to pay), else
+        no truncation; 0: no truncation."""
         super().__init__(model, cfg, target)
         self._threshold = confidence_threshold if callable(confidence_threshold) else (lambda: confidence_threshold)
+        extra = cfg.raw.get("tandem") if isinstance(cfg.raw.get("tandem"), dict) else {}
+        self.default_threshold = extra.get("confidence_threshold")
+        if self.default_threshold is not None and (isinstance(self.default_threshold, bool) or not isinstance(
+                self.default_threshold, (int, float)) or not 0.0 <= self.default_threshold <= 1.0):
+            raise TandemError(f"dspark drafter: config.json tandem.confidence_threshold must be a number in [0, 1], "
+                              f"got {self.default_threshold!r}")
         self.threshold()  # validate now
         self.vocab_ids = mx.array(cfg.draft_vocab, dtype=mx.uint32) if cfg.draft_vocab else None
 
     def threshold(self) -> float | None:
         value = self._threshold()
+        if value is None:
+            value = self.default_threshold
         if value is None:
             return None
         if not 0.0 <= float(value) <= 1.0:
