@@ -15,7 +15,7 @@ from engine.generate import Chunk, Engine, GenerationResult, Prompt
 
 def load(model: str | None = None, *, drafter: str | None = None, draft_model: str | None = None,
          drafter_bits: int | None = None, confidence_threshold: float | None = None,
-         draft_vocab: int | None = None) -> Engine:
+         draft_vocab: int | None = None, lookup_first: bool | None = None) -> Engine:
     """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter)."""
     from engine.loading import load_model
 
@@ -26,6 +26,7 @@ def load(model: str | None = None, *, drafter: str | None = None, draft_model: s
     eng.drafter_bits = drafter_bits
     eng.confidence_threshold = confidence_threshold
     eng.draft_vocab = draft_vocab
+    eng.lookup_first = lookup_first
     return eng
 
 

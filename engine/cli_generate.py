@@ -23,6 +23,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="DSpark: draft from the first N tokens of the drafter's draft_vocab.json (most frequent "
                         "first); 0 = the full vocabulary; default: every token the file lists")
+    p.add_argument("--lookup-first", action=argparse.BooleanOptionalAction, default=None,
+                   help="DSpark/DFlash: take n-gram lookup's draft when the context repeats itself, the drafter's "
+                        "otherwise (default: the registry's choice for the pair)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +65,7 @@ def load_engine(args: argparse.Namespace):
     return load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
                 drafter_bits=getattr(args, "drafter_bits", None),
                 confidence_threshold=getattr(args, "confidence_threshold", None),
-                draft_vocab=getattr(args, "draft_vocab", None))
+                draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,6 +111,7 @@ class Engine:
         self.drafter_bits: int | None = None  # None: 4-bit on Metal/CUDA, float32 on the CPU backend
         self.confidence_threshold: float | None = None
         self.draft_vocab: int | None = None  # DSpark: None = the drafter's draft_vocab.json, 0 = full vocabulary
+        self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
@@ -155,7 +156,7 @@ class Engine:
 
     def _drafter_key(self, mode: str) -> tuple:
         # Anything that changes how the drafter is built must be part of its cache key.
-        return mode, self.drafter_path, self.draft_model_spec, self.drafter_bits, self.draft_vocab
+        return mode, self.drafter_path, self.draft_model_spec, self.drafter_bits, self.draft_vocab, self.lookup_first
 
     def default_cap(self, mode: str, drafter: Drafter | None) -> int:
         from engine import modes

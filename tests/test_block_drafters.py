@@ -438,7 +438,7 @@ def chi_square_z(observed: np.ndarray, expected: np.ndarray) -> float:
     return ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / np.sqrt(2 / (9 * df))
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark+vocab", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark+vocab", "dspark+lookup", "dflash"])
 def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     """20k sampled tokens through the real loop (decode), the real drafter and the verify rule
     match the target's exact distribution.
@@ -448,7 +448,9 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     tokens is checked, not just the first few. The drafter's own distribution q differs from
     the target's (acceptance well below 1), so the rule's rejections and residual draws are
     exercised; long sequences keep each round cheap. With a draft vocabulary (dspark+vocab)
-    q is zero on the unlisted tokens, which the target still produces through rejections."""
+    q is zero on the unlisted tokens, which the target still produces through rejections;
+    behind n-gram lookup (dspark+lookup) rounds alternate between one-hot lookup drafts and
+    the drafter's sampled ones."""
     vocab, per_seq, seqs = 16, 500, 40
     params = SamplingParams(temperature=1.0, top_k=12)
     unlisted = [1, 4, 7, 10, 13]
@@ -470,6 +472,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
                 w[k] = np.zeros_like(w[k])
         path = ck.write(tmp_path / kind, cfg, w)
         cap = 15
+    engine.lookup_first = kind == "dspark+lookup"
     drafter = drafter_for(engine, path, kind.split("+")[0])
     assert (getattr(drafter, "vocab_ids", None) is not None) == (kind == "dspark+vocab")
     target = engine.target
@@ -504,6 +507,8 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     drafter.begin(ids[:-1], hidden)
     q = np.array(drafter.propose(ids, 1, Sampler(SamplingParams(1.0, 1.0, 12, seed=0))).probs[0])
     assert 0.5 * np.abs(q - exact[4]).sum() > 0.03
+    if kind == "dspark+lookup":
+        assert drafter.from_lookup > 1000 and drafter.from_model > 1000, (drafter.from_lookup, drafter.from_model)
     if kind == "dspark+vocab":
         assert q[unlisted].sum() == 0 and abs(q.sum() - 1) < 1e-5 and observed[:, unlisted].sum() > 1000
 

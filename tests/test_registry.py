@@ -11,6 +11,7 @@ import pytest
 from engine import registry
 from engine.cli import main as cli_main
 from engine.drafters import block
+from engine.drafters.dspark import DSparkDrafter
 from engine.errors import TandemError
 from tests import drafter_ckpt as ck
 from tests.tiny import make_tiny_engine
@@ -112,6 +113,24 @@ def test_a_row_marked_auto_false_serves_its_mode_but_not_auto(hub, tiny_rows):
     assert engine.generate([5, 6, 7], mode="auto", max_new_tokens=4).mode == "lookup"
 
 
+def test_lookup_first_follows_the_row_unless_the_user_says(hub, tiny_rows):
+    from engine.drafters.lookup_first import LookupFirst
+
+    data = json.loads(tiny_rows.read_text())
+    data["pairs"][0]["lookup_first"] = True
+    tiny_rows.write_text(json.dumps(data))
+    engine = make_tiny_engine("qwen3", seed=1)
+    engine.name = "Tiny-Qwen3"
+    snap = _fake_hf_cache(hub, "test-org/tiny-dspark", engine)
+    assert isinstance(engine.drafter("dspark"), LookupFirst)  # the row's choice
+    engine.lookup_first = False
+    assert isinstance(engine.drafter("dspark"), DSparkDrafter)
+    engine.lookup_first, engine.drafter_path = None, str(snap)  # an explicit drafter: no row, no lookup
+    assert isinstance(engine.drafter("dspark"), DSparkDrafter)
+    engine.lookup_first = True
+    assert isinstance(engine.drafter("dspark"), LookupFirst)
+
+
 def test_auto_mode_follows_an_explicit_drafter_and_refuses_a_bad_one(tmp_path):
     engine = make_tiny_engine("qwen3", seed=1)
     tc = ck.target_config_of(engine.model)
@@ -153,9 +172,8 @@ def test_tandem_models_prints_the_table(capsys, hub):
     assert cli_main(["models", "--model", "mlx-community/Qwen3-8B-4bit"]) == 0
     out = capsys.readouterr().out
     assert "z-lab/Qwen3-8B-DFlash-b16" in out and "Qwen3-14B" not in out
-    assert cli_main(["models", "--model", "SmolLM2-135M-Instruct"]) == 0  # the bundled drafter, not for auto
-    out = capsys.readouterr().out
-    assert "resources:drafters/smollm2-135m-dspark  yes    no" in out and "passed over by --mode auto" in out
+    assert cli_main(["models", "--model", "SmolLM2-135M-Instruct"]) == 0  # the bundled drafter
+    assert "resources:drafters/smollm2-135m-dspark  yes    yes" in capsys.readouterr().out
     assert cli_main(["models", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert all(r["local"] in ("yes", "no", "unsupported") for r in data["registry"])

@@ -213,10 +213,11 @@ def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_shipped_starter_drafter_is_registered_trained_and_lossless(starter_engine):
     """resources/drafters/smollm2-135m-dspark: small, without the target's embedding/head (the
-    loader takes them from the starter), found through the registry by --mode dspark, passed
-    over by --mode auto (its row says auto: false), trained (drafts land: a random drafter
-    gives 1.0 token per round), and drafting for the real starter changes no token."""
+    loader takes them from the starter), what --mode auto runs on the starter (behind n-gram
+    lookup, as its registry row says), trained (drafts land: a random drafter gives 1.0 token
+    per round), and drafting for the real starter changes no token."""
     from engine import registry
+    from engine.drafters.lookup_first import LookupFirst
     from engine.paths import resources_dir
     from tests.lossless import assert_same_greedy
 
@@ -226,11 +227,17 @@ def test_shipped_starter_drafter_is_registered_trained_and_lossless(starter_engi
     assert (folder / "model.safetensors").stat().st_size < 24 * 2**20  # a small repo
     assert "embed_tokens.weight" not in mx.load(str(folder / "model.safetensors"))
     eng = starter_engine
-    assert eng.drafter_path is None
+    assert eng.drafter_path is None and eng.lookup_first is None
     assert registry.drafter_for(eng, "dspark") == "resources:drafters/smollm2-135m-dspark"
-    assert registry.auto_mode(eng) == "lookup"
+    assert registry.auto_mode(eng) == "dspark" and isinstance(eng.drafter("dspark"), LookupFirst)
     prompt = eng.encode("Write a Python function that returns the squares of a list of numbers.")
     base = eng.generate(prompt, mode="baseline", max_new_tokens=40)
-    spec = eng.generate(prompt, mode="dspark", max_new_tokens=40, max_draft=0)
+    both = eng.generate(prompt, mode="auto", max_new_tokens=40)
+    assert_same_greedy(eng.model, prompt, base.token_ids, both.token_ids, "auto (shipped drafter + lookup)")
+    eng.lookup_first = False  # the drafter alone
+    try:
+        spec = eng.generate(prompt, mode="dspark", max_new_tokens=40, max_draft=0)
+    finally:
+        eng.lookup_first = None
     assert_same_greedy(eng.model, prompt, base.token_ids, spec.token_ids, "dspark (shipped drafter)")
     assert spec.mean_accepted >= 2.0, spec.mean_accepted  # 2.8 tokens per round when shipped

@@ -781,25 +781,37 @@ class BlockDrafter(Drafter):
 
 def load_block_drafter(engine: "Engine", mode: str) -> Drafter:
     """The DSpark/DFlash drafter for ``engine``: its --drafter, else the registry's locally
-    available drafter for this target. Refuses, in one line, anything it cannot run exactly."""
-    spec = engine.drafter_path
-    if not spec:
-        from engine import registry
+    available drafter for this target, behind n-gram lookup when ``engine.lookup_first`` (or,
+    left unset, the registry row) asks. Refuses, in one line, anything it cannot run exactly."""
+    from engine import registry
 
-        spec = registry.drafter_for(engine, mode)
-        if spec is None:
+    spec, row = engine.drafter_path, None
+    if not spec:
+        row = registry.usable_row(engine, mode)
+        if row is None:
             raise TandemError(registry.missing_drafter_message(engine, mode))
+        spec = row["drafter"]
     path = resolve_drafter_path(spec)
     model, cfg = load_checkpoint(path, engine.target, mode=mode, bits=drafter_bits(engine),
                                  draft_vocab=getattr(engine, "draft_vocab", None))
+    drafter: Drafter
     if cfg.kind == "dspark":
         from engine.drafters.dspark import DSparkDrafter
 
-        return DSparkDrafter(model, cfg, engine.target,
-                             confidence_threshold=lambda: getattr(engine, "confidence_threshold", None))
-    from engine.drafters.dflash import DFlashDrafter
+        drafter = DSparkDrafter(model, cfg, engine.target,
+                                confidence_threshold=lambda: getattr(engine, "confidence_threshold", None))
+    else:
+        from engine.drafters.dflash import DFlashDrafter
 
-    return DFlashDrafter(model, cfg, engine.target)
+        drafter = DFlashDrafter(model, cfg, engine.target)
+    lookup_first = getattr(engine, "lookup_first", None)
+    if lookup_first is None:  # the registry row's measured choice for this pair
+        lookup_first = bool(row and row.get("lookup_first"))
+    if lookup_first:
+        from engine.drafters.lookup_first import LookupFirst
+
+        return LookupFirst(drafter)
+    return drafter
 
 
 # ----------------------------------------------------------------------------------------

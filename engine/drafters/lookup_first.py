@@ -1,0 +1,53 @@
+"""Lookup first: n-gram lookup when the context repeats itself, a model drafter otherwise.
+
+Copy-heavy stretches (code being edited, a list being continued, a quoted span) are where
+n-gram lookup drafts long and right at no cost; elsewhere it has nothing, and a trained drafter
+(DSpark, DFlash) guesses from the target's hidden states. Each round takes lookup's draft when
+it has one, else the model drafter's. Which one drafts depends only on the committed tokens,
+and the verify rule receives the q of the draft it got, so output is the target's own either
+way. Both drafters see every commit, so either can draft the next round.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from engine.drafters.base import Draft, Drafter
+from engine.drafters.lookup import LookupDrafter
+from engine.sampling import Sampler
+
+
+class LookupFirst(Drafter):
+    has_model = True
+
+    def __init__(self, model_drafter: Drafter, lookup: LookupDrafter | None = None):
+        self.model_drafter = model_drafter
+        self.lookup = lookup or LookupDrafter()
+        self.name = f"{model_drafter.name}+lookup"
+        self.tap_layers = model_drafter.tap_layers
+        self.max_draft = max(self.lookup.max_draft, model_drafter.max_draft)
+        self.from_lookup = 0  # rounds drafted by each, for telemetry and tests
+        self.from_model = 0
+
+    @property
+    def model(self):
+        """The model drafter's weights (what calibration keys and prices)."""
+        return getattr(self.model_drafter, "model", None)
+
+    def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
+        self.lookup.begin(prompt_ids, hidden)
+        self.model_drafter.begin(prompt_ids, hidden)
+
+    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        draft = self.lookup.propose(ids, cap, sampler)
+        if draft is not None and len(draft):
+            self.from_lookup += 1
+            return draft
+        self.from_model += 1
+        return self.model_drafter.propose(ids, min(cap, self.model_drafter.max_draft), sampler)
+
+    def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
+        self.lookup.commit(ids, n_new, hidden)
+        self.model_drafter.commit(ids, n_new, hidden)

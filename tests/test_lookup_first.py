@@ -1,0 +1,49 @@
+"""Lookup first: n-gram lookup's draft when the context repeats itself, the model drafter's
+otherwise; greedy output stays the target's own (sampled exactness: test_block_drafters)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.drafters.lookup_first import LookupFirst
+from engine.sampling import Sampler, SamplingParams
+from tests.lossless import assert_same_greedy
+from tests.test_block_drafters import prompts, write_dspark
+from tests.tiny import make_tiny_engine
+
+GREEDY = Sampler(SamplingParams())
+
+
+def test_each_round_takes_lookup_when_it_matches_else_the_drafter(tmp_path):
+    engine = make_tiny_engine("llama", seed=6)
+    engine.drafter_path = str(write_dspark(tmp_path / "d", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0))
+    engine.lookup_first = True
+    both = engine.drafter("dspark")
+    assert isinstance(both, LookupFirst) and both.max_draft == 32 and both.tap_layers == (0, 1, 2)
+    engine.target.set_taps(both.tap_layers)
+    repeat = [5, 9, 14, 3, 22, 5, 9, 14]  # "5 9 14" occurred: lookup proposes "3 22 ..."
+    fresh = [5, 9, 14, 3, 22, 7, 8, 2]
+    for ids, source in ((repeat, "lookup"), (fresh, "model")):
+        _, hidden = engine.target.prefill(ids[:-1], engine.target.new_cache(), tap=True)
+        both.begin(ids[:-1], hidden)
+        draft = np.array(both.propose(ids, 12, GREEDY).tokens).tolist()
+        if source == "lookup":
+            assert draft[:2] == [3, 22]
+        else:
+            alone = both.model_drafter
+            alone.begin(ids[:-1], hidden)
+            assert draft == np.array(alone.propose(ids, 12, GREEDY).tokens).tolist() and len(draft) == 7
+
+
+def test_greedy_output_is_unchanged_and_both_draft(tmp_path):
+    engine = make_tiny_engine("qwen3", seed=6)
+    engine.drafter_path = str(write_dspark(tmp_path / "d", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0))
+    engine.lookup_first = True
+    for i, ids in enumerate(prompts(10, 96, seed=8)):
+        n = [3, 9, 20, 40, 60][i % 5]
+        base = engine.generate(ids, mode="baseline", max_new_tokens=n)
+        for cap in (0, 4):
+            res = engine.generate(ids, mode="dspark", max_new_tokens=n, max_draft=cap)
+            assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"prompt {i} cap {cap}")
+    both = engine.drafter("dspark")
+    assert both.from_lookup > 0 and both.from_model > 0
