@@ -146,14 +146,6 @@ def usable_row(engine: "Engine", mode: str | None = None, *, for_auto: bool = Fa
     return None
 
 
-def drafter_for(engine: "Engine", mode: str | None = None) -> str | None:
-    """The drafter spec this engine would use: its --drafter, else the first usable row's."""
-    if engine.drafter_path:
-        return engine.drafter_path
-    row = usable_row(engine, mode)
-    return row["drafter"] if row else None
-
-
 def missing_drafter_message(engine: "Engine", mode: str) -> str:
     """Why ``--mode dspark/dflash`` has no drafter for this engine, and what to do."""
     label = LABELS.get(mode, mode)

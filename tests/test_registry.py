@@ -83,14 +83,14 @@ def test_auto_mode_uses_a_cached_registered_drafter_else_lookup(hub, tiny_rows):
     engine = make_tiny_engine("qwen3", seed=1)
     engine.name = "mlx-community/Tiny-Qwen3-4bit"
     assert registry.auto_mode(engine) == "lookup"  # registered, but nothing on this machine
-    assert registry.drafter_for(engine) is None
+    assert registry.usable_row(engine) is None
     msg = registry.missing_drafter_message(engine, "dspark")
     assert "not in the local Hugging Face cache" in msg and "hf download test-org/tiny-dspark" in msg
     with pytest.raises(TandemError, match="not in the local Hugging Face cache"):
         engine.generate([5, 6], mode="dspark", max_new_tokens=2)
     _fake_hf_cache(hub, "test-org/tiny-dspark", engine)
     assert registry.auto_mode(engine) == "dspark"
-    assert registry.drafter_for(engine) == "test-org/tiny-dspark"
+    assert registry.usable_row(engine)["drafter"] == "test-org/tiny-dspark"
     res = engine.generate([5, 6, 7], mode="auto", max_new_tokens=6)
     assert res.mode == "dspark" and res.generated == 6
     # A registered drafter that does not fit this target is skipped, not mis-loaded.
@@ -108,7 +108,7 @@ def test_a_row_marked_auto_false_serves_its_mode_but_not_auto(hub, tiny_rows):
     engine.name = "Tiny-Qwen3"
     _fake_hf_cache(hub, "test-org/tiny-dspark", engine)
     assert registry.auto_mode(engine) == "lookup"
-    assert registry.drafter_for(engine, "dspark") == "test-org/tiny-dspark"
+    assert registry.usable_row(engine, "dspark")["drafter"] == "test-org/tiny-dspark"
     assert engine.generate([5, 6, 7], mode="dspark", max_new_tokens=4).generated == 4
     assert engine.generate([5, 6, 7], mode="auto", max_new_tokens=4).mode == "lookup"
 

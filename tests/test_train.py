@@ -228,7 +228,7 @@ def test_shipped_starter_drafter_is_registered_trained_and_lossless(starter_engi
     assert "embed_tokens.weight" not in mx.load(str(folder / "model.safetensors"))
     eng = starter_engine
     assert eng.drafter_path is None and eng.lookup_first is None
-    assert registry.drafter_for(eng, "dspark") == "resources:drafters/smollm2-135m-dspark"
+    assert registry.usable_row(eng, "dspark")["drafter"] == "resources:drafters/smollm2-135m-dspark"
     assert registry.auto_mode(eng) == "dspark" and isinstance(eng.drafter("dspark"), LookupFirst)
     prompt = eng.encode("Write a Python function that returns the squares of a list of numbers.")
     base = eng.generate(prompt, mode="baseline", max_new_tokens=40)
