@@ -28,7 +28,7 @@ class LookupFirst(Drafter):
         self.name = f"{model_drafter.name}+lookup"
         self.tap_layers = model_drafter.tap_layers
         self.max_draft = max(self.lookup.max_draft, model_drafter.max_draft)
-        self.from_lookup = 0  # rounds drafted by each, for telemetry and tests
+        self.from_lookup = 0  # rounds drafted by each (diagnostics, tests)
         self.from_model = 0
 
     @property
