@@ -10,7 +10,7 @@ header", an ELF file), as expected (spec/platform.md §4).
 
 Layout inside the bundle: every package listed in ``packages`` is copied whole (code and data)
 to ``Contents/Resources/lib/pythonX.Y/``; ``resources/`` goes next to them, because the engine
-finds it as ``<engine>/../resources`` (``engine.drafters.block.resources_dir``), and so does MLX,
+finds it as ``<engine>/../resources`` (``engine.paths.resources_dir``), and so does MLX,
 copied file for file (a namespace package: py2app's ``packages`` option cannot take it). The first start
 converts the starter GGUF to an mlx-lm folder in ``~/.cache/tandem`` (seconds), like ``tandem app``.
 """
@@ -97,7 +97,7 @@ ICON = ROOT / "resources" / "app" / "Tandem.icns"
 OPTIONS = {
     "argv_emulation": False,  # a Carbon-era shim; breaks Qt's event loop on recent macOS
     "packages": PACKAGES,
-    "includes": ["engine.cli_app", "app.worker", "app.views.chat", "app.views.models", "app.views.race",
+    "includes": ["engine.cli.app", "app.worker", "app.views.chat", "app.views.models", "app.views.race",
                  "app.views.telemetry"],
     "excludes": EXCLUDES,
     "iconfile": str(ICON) if ICON.exists() else None,

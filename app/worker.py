@@ -377,7 +377,7 @@ def _session_bandwidth() -> float:
 
 def _curves(cal, mode: str) -> dict:
     """A calibration as plain numbers for the plot (no MLX objects cross the bridge)."""
-    from engine.calibrate import static_cap
+    from engine.cost_model import static_cap
 
     return {"mode": mode, "widths": list(cal.widths), "verify_ms": list(cal.verify_ms),
             "verify_fit": [cal.verify(w) for w in cal.widths], "draft_caps": list(cal.draft_caps),

@@ -1,5 +1,16 @@
 """Tandem's engine: lossless speculative decoding on MLX. No Qt in here.
 
+Three layers; imports point down only (``tests/test_layout.py`` checks it):
+
+* core: ``target`` (the model wrapper: taps, forward, prefill), ``caches`` (cache transactions),
+  ``sampling``, ``speculative`` (the one verify loop), ``detokenize``, ``drafters/`` (one small class
+  per drafter behind ``drafters.base.Drafter``), and model loading (``loading``, ``gguf``, ``starter``);
+* orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``modes``, ``registry``,
+  ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``roofline``, ``benchmark``,
+  ``doctor``, ``options`` (the loading flags every front end shares) and ``api`` (the Python API);
+* front ends: ``cli/`` (the ``tandem`` command), ``serve/`` (the local API server), ``train/``
+  (``tandem train-drafter``); the desktop app (``app/``) sits beside them.
+
 Importing the package preloads OpenBLAS on Linux (when installed) so that MLX's CPU backend
 uses it instead of the reference BLAS its wheel ships; this must happen before the first
 ``import mlx.core`` anywhere in the process.

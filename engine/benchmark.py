@@ -1,4 +1,4 @@
-"""``tandem benchmark``: modes side by side on chat, code and math prompts.
+"""The benchmark behind ``tandem benchmark``: modes side by side on chat, code and math prompts.
 
 Every (mode, cap) arm runs on every prompt in every trial, arms interleaved and rotated, so a
 busy machine slows all arms alike instead of whichever ran during the burst. Reported per arm:
@@ -14,11 +14,9 @@ The prompt sets come from the team's shared data folder (``TANDEM_PROMPTS_DIR`` 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -334,7 +332,7 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
 
 
 def _static(cal: Any) -> int:
-    from engine.calibrate import static_cap
+    from engine.cost_model import static_cap
 
     return static_cap(cal)
 
@@ -367,55 +365,3 @@ def format_report(report: dict) -> str:
     if not report["divergences"]:
         lines.append("lossless: every arm reproduced baseline's tokens on every prompt and trial")
     return "\n".join(lines)
-
-
-# ===================================================================== tandem benchmark
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.cli_generate import add_model_arguments
-
-    add_model_arguments(p)
-    p.add_argument("--modes", default="baseline,lookup",
-                   help="comma-separated modes (baseline is always included as the reference)")
-    p.add_argument("--max-draft", default=None,
-                   help="draft cap(s) for the speculative modes: integers and/or 'auto', comma-separated "
-                        "(e.g. 2,4,8,16,32,auto sweeps them); default: each mode's default cap")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompts-per-class", type=int, default=3)
-    p.add_argument("--classes", default="chat,code,math", help=f"comma-separated, from: {', '.join(CLASSES)}")
-    p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR "
-                                                       "or ../shared/data/prompts next to the repository)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
-
-
-def run(args: argparse.Namespace) -> int:
-    from engine.calibrate import tqdm_progress
-    from engine.cli_generate import load_engine
-    from engine.generate import MODES
-
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES or m == "auto"]
-    if bad:
-        raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
-    if args.prompts_per_class < 1:
-        raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
-    classes = [c.strip() for c in args.classes.split(",") if c.strip()]
-    prompts = load_prompts(classes, args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
-    caps = parse_caps(args.max_draft)
-    eng = load_engine(args)
-    arms = make_arms(modes, caps)
-    cal_progress, cal_close = tqdm_progress("calibrating")
-    progress, close = tqdm_progress(f"benchmark {eng.name}")
-    try:
-        report = run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
-                               progress=progress, calibration_progress=cal_progress)
-    finally:
-        cal_close()
-        close()
-    print(format_report(report))
-    if args.json:
-        Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).expanduser().write_text(json.dumps(report, indent=1))
-        print(f"report: {args.json}", file=sys.stderr)
-    mismatches = [d for d in report["divergences"] if not d["near_tie"]]
-    return 3 if mismatches else 0

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
@@ -138,13 +139,9 @@ class Engine:
             raise TandemError(f"unknown mode '{mode}': choose one of {', '.join(MODES)}")
         if mode != "auto":
             return mode
-        from engine import modes
-
         return modes.auto_mode(self)
 
     def drafter(self, mode: str) -> Drafter | None:
-        from engine import modes
-
         key = self._drafter_key(mode)
         if key not in self._drafters:
             self._drafters[key] = modes.make_drafter(self, mode)
@@ -159,9 +156,12 @@ class Engine:
         return mode, self.drafter_path, self.draft_model_spec, self.drafter_bits, self.draft_vocab, self.lookup_first
 
     def default_cap(self, mode: str, drafter: Drafter | None) -> int:
-        from engine import modes
-
         return modes.default_cap(self, mode, drafter)
+
+    def mode_support(self) -> dict[str, str | None]:
+        """Every mode, with None when this engine can run it, else the one-line reason it cannot
+        (for the app's mode picker and ``tandem doctor``). Loads no drafter."""
+        return modes.mode_support(self, MODES)
 
     # -- generation -------------------------------------------------------------------------
     def stream(
@@ -258,8 +258,6 @@ class Engine:
             cap = self.default_cap(mode, drafter)
             return FixedCap(cap), cap
         if max_draft == "auto":
-            from engine import modes
-
             return modes.auto_cap_policy(self, mode, drafter), "auto"
         cap = int(max_draft)
         if cap < 0:

@@ -17,18 +17,13 @@ runs, and a mode that needs a missing file is never chosen silently. A row with
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
 
 from engine.errors import TandemError
-
-if TYPE_CHECKING:
-    from engine.generate import Engine
+from engine.protocols import EngineLike
 
 LABELS = {"dspark": "DSpark", "dflash": "DFlash"}
 
@@ -83,7 +78,7 @@ def rows() -> list[dict]:
     return list(_load(str(registry_path())))
 
 
-def _names(engine_or_name: "Engine | str") -> list[str]:
+def _names(engine_or_name: EngineLike | str) -> list[str]:
     if isinstance(engine_or_name, str):
         return [engine_or_name]
     names = [engine_or_name.name]
@@ -94,7 +89,7 @@ def _names(engine_or_name: "Engine | str") -> list[str]:
     return names
 
 
-def rows_for(engine_or_name: "Engine | str", mode: str | None = None) -> list[dict]:
+def rows_for(engine_or_name: EngineLike | str, mode: str | None = None) -> list[dict]:
     """Registry rows for this model (any quantization), in preference order."""
     keys = {base_name(n) for n in _names(engine_or_name) if n}
     out = []
@@ -113,7 +108,7 @@ def lookup(model_name: str) -> dict | None:
 
 def available(row: dict) -> bool:
     """Whether the row's drafter is on this machine (bundled, or in the local HF cache)."""
-    from engine.drafters.block import resolve_drafter_path
+    from engine.drafters.checkpoint import resolve_drafter_path
 
     if row.get("supported", True) is False:
         return False
@@ -124,29 +119,30 @@ def available(row: dict) -> bool:
         return False
 
 
-def _usable(row: dict, engine: "Engine") -> bool:
+def _usable(row: dict, engine: EngineLike) -> bool:
     """Available, in a format we run, and made for this target (config checks only)."""
-    from engine.drafters import block
+    from engine.drafters.block import check_compatible, parse_config
+    from engine.drafters.checkpoint import read_config, resolve_drafter_path
 
     if not available(row):
         return False
     try:
-        path = block.resolve_drafter_path(row["drafter"])
-        cfg = block.parse_config(block.read_config(path), f"drafter {path}")
-        block.check_compatible(cfg, engine.target, f"drafter {path}")
+        path = resolve_drafter_path(row["drafter"])
+        cfg = parse_config(read_config(path), f"drafter {path}")
+        check_compatible(cfg, engine.target, f"drafter {path}")
     except TandemError:
         return False
     return cfg.kind == row["mode"]
 
 
-def usable_row(engine: "Engine", mode: str | None = None, *, for_auto: bool = False) -> dict | None:
+def usable_row(engine: EngineLike, mode: str | None = None, *, for_auto: bool = False) -> dict | None:
     for row in rows_for(engine, mode):
         if (not for_auto or row.get("auto", True)) and _usable(row, engine):
             return row
     return None
 
 
-def missing_drafter_message(engine: "Engine", mode: str) -> str:
+def missing_drafter_message(engine: EngineLike, mode: str) -> str:
     """Why ``--mode dspark/dflash`` has no drafter for this engine, and what to do."""
     label = LABELS.get(mode, mode)
     found = rows_for(engine, mode)
@@ -162,72 +158,31 @@ def missing_drafter_message(engine: "Engine", mode: str) -> str:
     return f"--mode {mode}: the registered drafter {row['drafter']} does not fit {engine.name}; pass --drafter"
 
 
-def auto_mode(engine: "Engine") -> str:
+def auto_mode(engine: EngineLike) -> str:
     """The mode --mode auto runs (see the module docstring)."""
-    from engine.drafters import block
+    from engine.drafters.block import checkpoint_kind
+    from engine.drafters.checkpoint import read_config, resolve_drafter_path
 
     if not engine.target.can_rollback:
         return "baseline"
     if engine.drafter_path:
-        path = block.resolve_drafter_path(engine.drafter_path)
-        return block.checkpoint_kind(block.read_config(path), f"drafter {path}")
+        path = resolve_drafter_path(engine.drafter_path)
+        return checkpoint_kind(read_config(path), f"drafter {path}")
     row = usable_row(engine, for_auto=True)
     return row["mode"] if row else "lookup"
 
 
-# ----------------------------------------------------------------------------------------
-# tandem models
-# ----------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="show only the registry rows this model name matches")
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+def block_drafter_problem(engine: EngineLike, mode: str) -> str | None:
+    """Why ``--mode dspark/dflash`` cannot run on this engine (no drafter on this machine, or the
+    --drafter checkpoint is of the other kind), or None. Reads configs only."""
+    from engine.drafters.block import checkpoint_kind
+    from engine.drafters.checkpoint import read_config, resolve_drafter_path
 
-
-def _status(row: dict) -> str:
-    if row.get("supported", True) is False:
-        return "unsupported"
-    return "yes" if available(row) else "no"
-
-
-def _table(headers: list[str], body: Iterable[list[str]]) -> str:
-    body = [list(map(str, r)) for r in body]
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in body)])
-
-
-def builtin_models() -> list[dict]:
-    try:
-        from engine.starter import list_builtin_models
-    except ImportError:
-        return []
-    return list_builtin_models()
-
-
-def run(args: argparse.Namespace) -> int:
-    selected = rows_for(args.model) if args.model else rows()
-    table = [dict(row, base_name=base_name(row["target"]), local=_status(row)) for row in selected]
-    builtins = [] if args.model else builtin_models()
-    if args.json:
-        print(json.dumps({"builtin": builtins, "registry": table}, indent=2))
-        return 0
-    if builtins:
-        print("Built-in models (work offline once installed):")
-        print(_table(["name", "model", "installed", "about"],
-                     [[m["name"] + (" (default)" if m.get("default") else ""), m["display_name"],
-                       "yes" if m["installed"] else "no", m["description"]] for m in builtins]))
-        print()
-    if args.model and not table:
-        print(f"No registered drafter for {args.model} (base name '{base_name(args.model)}'); --mode auto uses lookup.")
-        return 0
-    print(f"Drafter registry ({registry_path()}):")
-    print(_table(["target", "base-name match", "mode", "drafter", "local", "auto"],
-                 [[r["target"], r["base_name"], r["mode"], r["drafter"], r["local"],
-                   "yes" if r.get("auto", True) else "no"] for r in table]))
-    print("\nlocal: 'yes' = bundled or in the local Hugging Face cache (never downloaded automatically).",
-          file=sys.stdout)
-    print("auto: 'no' = used by --mode dspark/dflash, passed over by --mode auto:")
-    for r in table:
-        if not r.get("auto", True):
-            print(f"  {r['target']} ({r['mode']}): {r.get('why', 'measured slower than lookup')}")
-    return 0
+    if engine.drafter_path:
+        try:
+            path = resolve_drafter_path(engine.drafter_path)
+            kind = checkpoint_kind(read_config(path), f"drafter {path}")
+        except TandemError as e:
+            return str(e)
+        return None if kind == mode else f"the drafter {engine.drafter_path} is a {LABELS[kind]} checkpoint (--mode {kind})"
+    return None if usable_row(engine, mode) else missing_drafter_message(engine, mode)

@@ -182,7 +182,7 @@ def test_gui_code_paths_do_not_load_mlx(tmp_path):
 def test_cli_app_reports_missing_pyside(monkeypatch):
     import argparse
 
-    from engine import cli_app
+    from engine.cli import app as cli_app
     from engine.errors import TandemError
 
     real = cli_app.importlib.util.find_spec

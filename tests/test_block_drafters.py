@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.drafters import block
-from engine.drafters.block import load_checkpoint, new_dspark_model, save_drafter
+from engine import modes
+from engine.drafters import block, checkpoint
+from engine.drafters.checkpoint import load_checkpoint, new_dspark_model, save_drafter
 from engine.drafters.dflash import DFlashDrafter
 from engine.drafters.dspark import DSparkDrafter, chain_tokens
 from engine.errors import TandemError
@@ -204,8 +205,8 @@ def test_new_model_saves_in_the_same_format_and_reloads(tmp_path):
                              mask_token_id=0, target=tied_engine.target)
     assert model.config["target_layer_ids"] == [1]  # 4 layers: 1..N-3 collapses to one id
     assert np.array_equal(np.array(model.lm_head.weight), np.array(tied.model.embed_tokens.weight))
-    assert block.default_tap_layers(36) == [1, 9, 17, 25, 33]
-    assert block.default_tap_layers(40) == [1, 10, 19, 28, 37]
+    assert checkpoint.default_tap_layers(36) == [1, 9, 17, 25, 33]
+    assert checkpoint.default_tap_layers(40) == [1, 10, 19, 28, 37]
 
 
 # ----------------------------------------------------------------------------------------
@@ -462,7 +463,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
         ck.write(path, json.loads((path / "config.json").read_text()), weights)
         if kind == "dspark+vocab":
             listed = [t for t in range(vocab) if t not in unlisted]
-            (path / block.DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": listed[::-1]}))
+            (path / checkpoint.DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": listed[::-1]}))
         cap = 7
     else:
         engine = context_free_engine(seed=7, spread=0.2)
@@ -570,15 +571,15 @@ def test_quantized_drafter_agrees_with_float(tmp_path, bits, tol):
 def test_quantization_policy_follows_the_backend(monkeypatch, tiny_qwen3):
     from engine import platform
 
-    assert platform.backend() != "metal" and block.drafter_bits(tiny_qwen3) is None  # CPU: float32
+    assert platform.backend() != "metal" and modes.drafter_bits(tiny_qwen3) is None  # CPU: float32
     monkeypatch.setattr(platform, "backend", lambda: "metal")
-    assert block.drafter_bits(tiny_qwen3) == 4
+    assert modes.drafter_bits(tiny_qwen3) == 4
     for bits, want in ((8, 8), (16, None), (0, None)):
         monkeypatch.setattr(tiny_qwen3, "drafter_bits", bits)
-        assert block.drafter_bits(tiny_qwen3) == want
+        assert modes.drafter_bits(tiny_qwen3) == want
     monkeypatch.setattr(tiny_qwen3, "drafter_bits", 7)
     with pytest.raises(TandemError, match="drafter bits"):
-        block.drafter_bits(tiny_qwen3)
+        modes.drafter_bits(tiny_qwen3)
 
 
 # ----------------------------------------------------------------------------------------
@@ -669,7 +670,7 @@ def test_repo_id_resolves_only_from_the_local_hf_cache(tmp_path, monkeypatch):
     write_dspark(snap, engine, taps=[0, 2])
     (tmp_path / "hub" / "models--someone--tiny-dspark" / "refs").mkdir()
     (tmp_path / "hub" / "models--someone--tiny-dspark" / "refs" / "main").write_text("abc123")
-    assert block.resolve_drafter_path("someone/tiny-dspark") == snap
+    assert checkpoint.resolve_drafter_path("someone/tiny-dspark") == snap
     engine.drafter_path = "someone/tiny-dspark"
     assert engine.generate([5, 6, 7], mode="dspark", max_new_tokens=5).generated == 5
 

@@ -12,67 +12,68 @@ import mlx.core as mx
 import pytest
 
 from engine import calibrate as C
+from engine import cost_model as M
 from engine.drafters.lookup import LookupDrafter
 from tests.tiny import make_tiny_engine
 
 MAX = 32
 
 
-def syn(verify, **kw) -> C.Calibration:
-    return C.Calibration.synthetic(verify, MAX, **kw)
+def syn(verify, **kw) -> M.Calibration:
+    return M.Calibration.synthetic(verify, MAX, **kw)
 
 
 # ------------------------------------------------------------------ cap choice on known curves
 def test_flat_curve_takes_the_largest_cap():
     cal = syn(lambda w: 50.0)  # verifying more rows is free: every draft is a bonus
-    assert C.best_cap(cal, 0.7) == MAX
-    assert C.static_cap(cal) == MAX
+    assert M.best_cap(cal, 0.7) == MAX
+    assert M.static_cap(cal) == MAX
 
 
 def test_linear_curve_parks_speculation():
     cal = syn(lambda w: 50.0 * w)  # quantized matmul on this CPU: cost grows with every row
     # rate(1) = (1 + p) / 100 < 1 / 50 for any p < 1: plain steps win
-    assert C.best_cap(cal, 0.7) == 0
-    assert C.best_cap(cal, 0.95) == 0
-    assert C.static_cap(cal) == 1  # a fixed cap never parks; auto does
+    assert M.best_cap(cal, 0.7) == 0
+    assert M.best_cap(cal, 0.95) == 0
+    assert M.static_cap(cal) == 1  # a fixed cap never parks; auto does
 
 
 def test_knee_curve_stops_at_the_knee():
     cal = syn(lambda w: 50.0 if w <= 5 else 50.0 + 40.0 * (w - 5))
     # up to width 5 drafts are free; the 5th draft would add p^5 = 0.17 tokens for 40 ms while
     # the round already earns 2.77 tokens per 50 ms
-    assert C.best_cap(cal, 0.7) == 4
-    assert C.best_cap(cal, 0.9) == 4
+    assert M.best_cap(cal, 0.7) == 4
+    assert M.best_cap(cal, 0.9) == 4
 
 
 def test_cliff_curve_depends_on_acceptance():
     cal = syn(lambda w: 50.0 if w == 1 else 100.0)  # bf16-like: 2x at width 2, then flat
-    assert C.best_cap(cal, 0.7) == MAX  # (1 + 0.7/0.3) / 100 > 1 / 50
-    assert C.best_cap(cal, 0.3) == 0  # (1 + 0.3/0.7) / 100 < 1 / 50
+    assert M.best_cap(cal, 0.7) == MAX  # (1 + 0.7/0.3) / 100 > 1 / 50
+    assert M.best_cap(cal, 0.3) == 0  # (1 + 0.3/0.7) / 100 < 1 / 50
     # never parks: the longest useful cap (past ~18, p^i adds less than 1e-9 of a token)
-    assert C.rate(cal, C.static_cap(cal, 0.3), 0.3) == pytest.approx(C.rate(cal, MAX, 0.3), rel=1e-9)
+    assert M.rate(cal, M.static_cap(cal, 0.3), 0.3) == pytest.approx(M.rate(cal, MAX, 0.3), rel=1e-9)
 
 
 def test_drafter_cost_sets_an_interior_optimum():
     cal = syn(lambda w: 50.0, draft=lambda c: 10.0 * c)
     # rates at p=0.8: C=3 2.952/80, C=4 3.3616/90 (best), C=5 3.6893/100
-    assert C.best_cap(cal, 0.8) == 4
-    assert C.rate(cal, 4, 0.8) == pytest.approx(1000 * 3.3616 / 90)
+    assert M.best_cap(cal, 0.8) == 4
+    assert M.rate(cal, 4, 0.8) == pytest.approx(1000 * 3.3616 / 90)
 
 
 def test_round_overhead_can_make_speculation_lose():
-    assert C.best_cap(syn(lambda w: 50.0), 0.3) > 0
+    assert M.best_cap(syn(lambda w: 50.0), 0.3) > 0
     cal = syn(lambda w: 50.0, overhead_ms=30.0)  # only speculative rounds pay it
-    assert C.best_cap(cal, 0.3) == 0  # at most 1.43 tokens per 80 ms < 1 per 50 ms
+    assert M.best_cap(cal, 0.3) == 0  # at most 1.43 tokens per 80 ms < 1 per 50 ms
 
 
 def test_variable_length_drafts_weight_costs_by_length():
     cal = syn(lambda w: 50.0 + 10.0 * w)
     surv = [1.0, 0.5, 0.5, 0.5, 0.5] + [0.0] * 30  # no match half the time, else exactly 4 drafts
-    assert C.expected_ms(cal, 8, surv) == pytest.approx(0.5 * 60 + 0.5 * 100)
-    assert C.expected_tokens(8, 0.9, surv) == pytest.approx(1 + 0.5 * (0.9 + 0.81 + 0.729 + 0.6561))
+    assert M.expected_ms(cal, 8, surv) == pytest.approx(0.5 * 60 + 0.5 * 100)
+    assert M.expected_tokens(8, 0.9, surv) == pytest.approx(1 + 0.5 * (0.9 + 0.81 + 0.729 + 0.6561))
     # caps past 4 change nothing, so the smallest of the tied best is chosen
-    assert C.best_cap(cal, 0.9, survival=surv) == 4
+    assert M.best_cap(cal, 0.9, survival=surv) == 4
 
 
 def test_rates_in_one_pass_match_the_formula():
@@ -80,11 +81,11 @@ def test_rates_in_one_pass_match_the_formula():
               step_overhead_ms=1.0)
     surv = [1.0, 0.7, 0.7, 0.6, 0.6, 0.5, 0.2] + [0.1] * 30
     for s in (None, surv):
-        assert C.rates(cal, 0.8, s) == pytest.approx([C.rate(cal, c, 0.8, s) for c in range(MAX + 1)])
+        assert M.rates(cal, 0.8, s) == pytest.approx([M.rate(cal, c, 0.8, s) for c in range(MAX + 1)])
 
 
 def test_curve_fit_is_monotone_and_interpolates():
-    cal = C.Calibration("k", {}, [1, 2, 4, 8], [10.0, 14.0, 12.0, 20.0])
+    cal = M.Calibration("k", {}, [1, 2, 4, 8], [10.0, 14.0, 12.0, 20.0])
     assert [cal.verify(w) for w in (1, 2, 4, 8)] == [10.0, 13.0, 13.0, 20.0]  # 14/12 pooled
     assert cal.verify(6) == pytest.approx(16.5)
     assert cal.verify(40) == 20.0 and cal.verify(0) == 10.0
@@ -155,7 +156,7 @@ def test_real_calibration_on_a_tiny_model_is_sane_and_cached(cache_dir, monkeypa
     assert fit == sorted(fit) and cal.verify(33) >= cal.verify(1)
     assert cal.draft_caps == [] and cal.draft(8) == 0.0  # lookup has no model
     assert cal.overhead_ms >= 0 and cal.step_overhead_ms >= 0 and cal.bandwidth > 1e8
-    assert 1 <= C.static_cap(cal) <= 32
+    assert 1 <= M.static_cap(cal) <= 32
     assert seen[-1][0] == seen[-1][1] and {s for _, _, s in seen} >= {"prefill", "verify curve", "round overhead"}
     assert eng.target.forwards == 0  # calibration forwards are not counted as generation work
 
@@ -213,7 +214,7 @@ def bernoulli_accepts(rng: random.Random, p: float, k: int) -> int:
     return n
 
 
-def simulate(ctrl: C.CapController, rng: random.Random, p: float, rounds: int, natural=None, true_cal=None,
+def simulate(ctrl: M.CapController, rng: random.Random, p: float, rounds: int, natural=None, true_cal=None,
              noise: float = 0.05) -> list[int]:
     """Drive the controller like the verify loop: cap() then observe(drafted, accepted, s),
     the round taking what ``true_cal`` (default: the calibration itself) says, with noise."""
@@ -230,57 +231,57 @@ def simulate(ctrl: C.CapController, rng: random.Random, p: float, rounds: int, n
 
 def test_acceptance_estimate_is_censored_at_full_acceptance():
     cal = syn(lambda w: 50.0)
-    full, partial, none = (C.CapController(cal) for _ in range(3))
+    full, partial, none = (M.CapController(cal) for _ in range(3))
     for c in (full, partial, none):
         c.cap()
     full.observe(4, 4, 0.1)
     partial.observe(4, 3, 0.1)
     none.observe(0, 0, 0.1)  # no draft: nothing learned about acceptance
-    assert none.p == C.PRIOR_P
+    assert none.p == M.PRIOR_P
     assert full.p > partial.p
-    assert partial.p < C.PRIOR_P + 3 * (1 - C.PRIOR_P)  # the rejection pulled it down
-    always = C.CapController(syn(lambda w: 50.0))
+    assert partial.p < M.PRIOR_P + 3 * (1 - M.PRIOR_P)  # the rejection pulled it down
+    always = M.CapController(syn(lambda w: 50.0))
     simulate(always, random.Random(0), 1.0, 200)
     assert always.p > 0.97  # never a rejection: the estimate only rises
 
 
 def test_controller_converges_to_the_optimum_for_the_true_acceptance():
     cal = syn(lambda w: 50.0, draft=lambda c: 10.0 * c)
-    ctrl = C.CapController(cal)
+    ctrl = M.CapController(cal)
     start = ctrl.cap()
-    assert start == C.best_cap(cal, C.PRIOR_P, allow_park=False)
+    assert start == M.best_cap(cal, M.PRIOR_P, allow_park=False)
     simulate(ctrl, random.Random(1), 0.92, 400)
-    optimum = C.best_cap(cal, 0.92)
+    optimum = M.best_cap(cal, 0.92)
     assert optimum != start
     assert abs(ctrl.p - 0.92) < 0.05
     final = ctrl.history[-1]
-    assert C.rate(cal, final, 0.92) >= C.rate(cal, optimum, 0.92) / 1.03  # a flat optimum: 6-9 within 1%
+    assert M.rate(cal, final, 0.92) >= M.rate(cal, optimum, 0.92) / 1.03  # a flat optimum: 6-9 within 1%
 
 
 def test_controller_parks_when_speculation_loses_and_probes():
     cal = syn(lambda w: 50.0 * w)
-    ctrl = C.CapController(cal)
+    ctrl = M.CapController(cal)
     caps = simulate(ctrl, random.Random(2), 0.3, 200)
     assert all(c > 0 for c in caps[: ctrl.park_after])  # young: never parks
     tail = caps[-100:]
     assert tail.count(0) >= 80
     probes = [c for c in tail if c]
-    assert probes and all(1 <= c <= C.PROBE_CAP for c in probes)
+    assert probes and all(1 <= c <= M.PROBE_CAP for c in probes)
 
 
 def test_controller_unparks_when_acceptance_recovers():
     cal = syn(lambda w: 50.0 if w == 1 else 100.0)
-    ctrl = C.CapController(cal)
+    ctrl = M.CapController(cal)
     rng = random.Random(3)
     simulate(ctrl, rng, 0.15, 200)
     assert ctrl.state.parked
     caps = simulate(ctrl, rng, 0.97, 300)
-    assert not ctrl.state.parked and caps[-1] > C.PROBE_CAP
+    assert not ctrl.state.parked and caps[-1] > M.PROBE_CAP
 
 
 def test_controller_learns_variable_draft_lengths():
     cal = syn(lambda w: 50.0 + 2.0 * w)
-    ctrl = C.CapController(cal)
+    ctrl = M.CapController(cal)
     natural = lambda rng: 0 if rng.random() < 0.5 else 6  # lookup: a miss, or a 6-token match
     simulate(ctrl, random.Random(4), 0.9, 300, natural)
     surv = ctrl.survival()
@@ -294,19 +295,19 @@ def test_controller_corrects_the_curve_from_observed_round_times():
     true = syn(lambda w: 45.0 + 2.0 * w)  # what rounds really cost now: nearly flat
     natural = lambda rng: 0 if rng.random() < 0.4 else rng.choice([4, 8, 16, 32])
     surv = [1.0] + [0.6] * 4 + [0.45] * 4 + [0.3] * 8 + [0.15] * 16 + [0.0]  # the truth, with p = 0.9
-    best_true = C.rate(true, C.best_cap(true, 0.9, survival=surv), 0.9, surv)
-    stale = C.best_cap(calibrated, 0.9, survival=surv)
-    assert C.rate(true, stale, 0.9, surv) < 0.85 * best_true  # trusting the curve would cost >15%
-    ctrl = C.CapController(calibrated)
+    best_true = M.rate(true, M.best_cap(true, 0.9, survival=surv), 0.9, surv)
+    stale = M.best_cap(calibrated, 0.9, survival=surv)
+    assert M.rate(true, stale, 0.9, surv) < 0.85 * best_true  # trusting the curve would cost >15%
+    ctrl = M.CapController(calibrated)
     simulate(ctrl, random.Random(6), 0.9, 400, natural, true_cal=true)
     c0, c1 = ctrl.cost_fit()
     assert c0 == pytest.approx(48.0, rel=0.1) and c1 == pytest.approx(0.08, abs=0.05)
-    assert C.rate(true, ctrl.history[-1], 0.9, surv) >= best_true / 1.05
+    assert M.rate(true, ctrl.history[-1], 0.9, surv) >= best_true / 1.05
 
 
 def test_contention_bursts_do_not_bend_the_fit():
     cal = syn(lambda w: 50.0 + 5.0 * w)
-    ctrl = C.CapController(cal)
+    ctrl = M.CapController(cal)
     rng = random.Random(7)
     for i in range(300):
         cap = ctrl.cap()
@@ -326,7 +327,7 @@ def test_auto_policy_in_generation_is_lossless_and_keeps_learning(cache_dir):
     assert (cache_dir / "calibration.json").is_file()
     policy = C.auto_cap_policy(eng, "lookup", eng.drafter("lookup"))
     assert policy.label == "auto" and policy.state.rounds > 0  # carried over from the request above
-    assert C.default_cap(eng, "lookup", eng.drafter("lookup")) == C.static_cap(policy.cal)
+    assert C.default_cap(eng, "lookup", eng.drafter("lookup")) == M.static_cap(policy.cal)
 
 
 # ------------------------------------------------------------------ tandem calibrate

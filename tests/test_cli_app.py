@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engine import cli_app
+from engine.cli import app as cli_app
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the check is Linux-only")

@@ -12,10 +12,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.drafters.block import DRAFT_VOCAB_FILE
+from engine.drafters.checkpoint import DRAFT_VOCAB_FILE
 from engine.errors import TandemError
 from engine.sampling import Sampler, SamplingParams
-from engine.train_data import Example, draft_vocabulary
+from engine.train.data import Example, draft_vocabulary
 from tests.lossless import assert_same_greedy
 from tests.test_block_drafters import _refusal, prompts, write_dspark
 from tests.tiny import make_tiny_engine
@@ -113,7 +113,7 @@ def test_a_quantized_drafter_keeps_its_draft_vocabulary(setup):
     """Metal/CUDA quantize the drafter after the restriction: the smaller head is what they read."""
     import mlx.nn as nn
 
-    from engine.drafters.block import load_checkpoint
+    from engine.drafters.checkpoint import load_checkpoint
     from engine.drafters.dspark import DSparkDrafter
 
     engine = setup

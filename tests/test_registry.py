@@ -10,7 +10,7 @@ import pytest
 
 from engine import registry
 from engine.cli import main as cli_main
-from engine.drafters import block
+from engine.drafters import checkpoint
 from engine.drafters.dspark import DSparkDrafter
 from engine.errors import TandemError
 from tests import drafter_ckpt as ck
@@ -34,7 +34,7 @@ def test_rows_do_not_leak_between_sizes_or_families():
     assert [r["drafter"] for r in registry.rows_for("Qwen3-8B", "dflash")] == ["z-lab/Qwen3-8B-DFlash-b16"]
     assert registry.lookup("Qwen3-80B") is None and registry.lookup("Llama-3.2-1B-Instruct-4bit") is None
     assert registry.lookup("SmolLM2-135M-Instruct") is None or Path(
-        block.resources_dir() / "drafters").is_dir()  # a starter row only with a bundled drafter
+        checkpoint.resources_dir() / "drafters").is_dir()  # a starter row only with a bundled drafter
     assert registry.lookup("mlx-community/gemma-4-12B-it-qat-4bit")["supported"] is False
 
 
@@ -44,7 +44,7 @@ def test_registry_file_is_well_formed():
     for row in data["pairs"]:
         assert row["mode"] in ("dspark", "dflash") and "/" in row["target"]
         if row["drafter"].startswith("resources:"):  # bundled drafters must ship
-            assert block.resolve_drafter_path(row["drafter"]).is_dir()
+            assert checkpoint.resolve_drafter_path(row["drafter"]).is_dir()
     targets = {registry.base_name(r["target"]) for r in data["pairs"]}
     assert {"qwen3-4b", "qwen3-8b", "qwen3-14b", "gemma-4-12b-it", "qwen3.6-27b"} <= targets
 
@@ -156,13 +156,13 @@ def test_unregistered_model_needs_an_explicit_drafter(tiny_qwen3):
 
 def test_bundled_drafter_path_is_relative_to_resources(tmp_path, monkeypatch):
     engine = make_tiny_engine("qwen3", seed=1)
-    monkeypatch.setattr(block, "resources_dir", lambda: tmp_path)
+    monkeypatch.setattr(checkpoint, "resources_dir", lambda: tmp_path)
     ck.write(tmp_path / "drafters" / "tiny", *ck.dspark_checkpoint(ck.target_config_of(engine.model), taps=[0, 2]))
-    assert block.resolve_drafter_path("resources:drafters/tiny") == tmp_path / "drafters" / "tiny"
+    assert checkpoint.resolve_drafter_path("resources:drafters/tiny") == tmp_path / "drafters" / "tiny"
     assert registry.available({"target": "x/y", "mode": "dspark", "drafter": "resources:drafters/tiny"})
     assert not registry.available({"target": "x/y", "mode": "dspark", "drafter": "resources:drafters/none"})
     with pytest.raises(TandemError, match="bundled drafter"):
-        block.resolve_drafter_path("resources:drafters/none")
+        checkpoint.resolve_drafter_path("resources:drafters/none")
 
 
 def test_tandem_models_prints_the_table(capsys, hub):
@@ -179,3 +179,18 @@ def test_tandem_models_prints_the_table(capsys, hub):
     assert all(r["local"] in ("yes", "no", "unsupported") for r in data["registry"])
     assert cli_main(["models", "--model", "nothing-like-it"]) == 0
     assert "--mode auto uses lookup" in capsys.readouterr().out
+
+
+def test_mode_support_names_what_each_mode_needs(tmp_path):
+    from tests import drafter_ckpt as ck
+    from tests.tiny import make_tiny_engine
+
+    eng = make_tiny_engine("qwen3", seed=3)
+    support = eng.mode_support()
+    assert support["baseline"] is None and support["lookup"] is None and support["auto"] is None
+    assert "--draft-model" in support["draft"]
+    assert "--drafter" in support["dspark"] and "--drafter" in support["dflash"]
+    eng.drafter_path = str(ck.write(tmp_path / "dflash", *ck.dflash_checkpoint(ck.target_config_of(eng.model))))
+    support = eng.mode_support()
+    assert support["dflash"] is None
+    assert "DFlash checkpoint" in support["dspark"] and "--mode dflash" in support["dspark"]

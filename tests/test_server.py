@@ -33,9 +33,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat_format import OutputParser, render_chat
+from engine.serve.chat_format import OutputParser, render_chat
 from engine.generate import Engine
-from engine.server import make_server
+from engine.serve.server import make_server
 from tests.tiny import make_tiny_engine, make_tokenizer
 
 KEY = "sk-test-key"
@@ -612,7 +612,7 @@ def test_output_parser_keeps_broken_tool_call_as_text_and_opens_in_think():
 # -- CLI ----------------------------------------------------------------------------------------
 
 def test_serve_and_claude_cli(scripted, capfd):
-    from engine import claude
+    from engine.cli import claude
     from engine.cli import build_parser, main
 
     args = build_parser("serve").parse_args(["serve", "--port", "0", "--api-key", "k", "--mode", "lookup",

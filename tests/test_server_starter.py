@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from engine import starter
-from engine.server import make_server
+from engine.serve.server import make_server
 
 QUESTION = "What is the capital of France? Answer in one short sentence."
 

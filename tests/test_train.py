@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.drafters import block
 from engine.drafters.dspark import DSparkDrafter
 from engine.sampling import Sampler, SamplingParams
-from engine.train import (TrainConfig, Trainer, block_forward, draft_outputs, new_drafter, target_states)
-from engine.train_data import Example, decode_all, load_examples, make_batch, save_examples
+from engine.train.config import TrainConfig
+from engine.train.loss import block_forward, draft_outputs, target_states
+from engine.train.trainer import Trainer, new_drafter
+from engine.train.data import Example, decode_all, load_examples, make_batch, save_examples
 
 from tests.tiny import make_tiny_engine
 

@@ -41,7 +41,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from engine import benchmark as B  # noqa: E402
-from engine import calibrate as C  # noqa: E402
+from engine import calibrate as C
+from engine import cost_model as M  # noqa: E402
 from engine.generate import Engine  # noqa: E402
 from engine.roofline import RooflineModel  # noqa: E402
 
@@ -120,10 +121,10 @@ def calibration_part(eng: Engine, log) -> dict:
     cal = C.calibrate(eng, "lookup", recalibrate=True)
     log(C.format_report(cal, eng))
     roof = RooflineModel.from_engine(eng, cal.bandwidth)
-    return {"calibration": cal.to_dict(), "default_cap": C.static_cap(cal),
-            "best_cap_by_p": {str(p): C.best_cap(cal, p) for p in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)},
+    return {"calibration": cal.to_dict(), "default_cap": M.static_cap(cal),
+            "best_cap_by_p": {str(p): M.best_cap(cal, p) for p in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95)},
             "verify_ratio": {str(w): round(v / cal.verify_ms[0], 3) for w, v in zip(cal.widths, cal.verify_ms)},
-            "roofline": roof.summary(cal.context, C.rate(cal, 0, 0.0)), "seconds": time.perf_counter() - t0}
+            "roofline": roof.summary(cal.context, M.rate(cal, 0, 0.0)), "seconds": time.perf_counter() - t0}
 
 
 def bench_part(eng: Engine, prompts, caps, trials: int, new_tokens: int, log) -> dict:

@@ -1,5 +1,9 @@
-"""The ``tandem`` command. Each subcommand lives with its feature: a module that exposes
-``add_arguments(parser)`` and ``run(args) -> int``. Errors a user can fix print one line."""
+"""The ``tandem`` command and its subcommands: argument parsing and entry points only.
+
+Each subcommand is a module here exposing ``add_arguments(parser)`` and ``run(args) -> int``; the
+work itself lives in the engine (``engine.generate``, ``engine.calibrate``, ``engine.benchmark``,
+``engine.serve``, ``engine.train`` ...). Nothing outside this package imports it. Errors a user
+can fix print one line."""
 
 from __future__ import annotations
 
@@ -12,15 +16,15 @@ from engine.errors import TandemError
 
 # subcommand -> (module, help)
 COMMANDS = {
-    "generate": ("engine.cli_generate", "generate text from a prompt (streamed) with speculative decoding"),
-    "doctor": ("engine.cli_doctor", "report the backend, BLAS, dtype policy and models in use, and why"),
-    "models": ("engine.registry", "list built-in models and the target -> drafter registry"),
-    "calibrate": ("engine.calibrate", "measure this machine's verify/draft cost curves and pick the draft cap"),
-    "benchmark": ("engine.benchmark", "compare modes on chat/code/math prompts: tok/s, acceptance, losslessness"),
-    "serve": ("engine.server", "serve OpenAI and Anthropic compatible APIs on one local port"),
-    "claude": ("engine.claude", "launch Claude Code against a running tandem server"),
-    "train-drafter": ("engine.train", "train a DSpark drafter for a target on this machine"),
-    "app": ("engine.cli_app", "open the desktop app"),
+    "generate": ("engine.cli.generate", "generate text from a prompt (streamed) with speculative decoding"),
+    "doctor": ("engine.cli.doctor", "report the backend, BLAS, dtype policy and models in use, and why"),
+    "models": ("engine.cli.models", "list built-in models and the target -> drafter registry"),
+    "calibrate": ("engine.cli.calibrate", "measure this machine's verify/draft cost curves and pick the draft cap"),
+    "benchmark": ("engine.cli.benchmark", "compare modes on chat/code/math prompts: tok/s, acceptance, losslessness"),
+    "serve": ("engine.cli.serve", "serve OpenAI and Anthropic compatible APIs on one local port"),
+    "claude": ("engine.cli.claude", "launch Claude Code against a running tandem server"),
+    "train-drafter": ("engine.cli.train", "train a DSpark drafter for a target on this machine"),
+    "app": ("engine.cli.app", "open the desktop app"),
 }
 
 
@@ -64,6 +68,3 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntandem: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

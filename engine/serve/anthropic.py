@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.chat_format import GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options
+from engine.serve.chat_format import GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options
 
 
 def _blocks(content: Any, where: str) -> list[dict]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.chat_format import (GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options)
+from engine.serve.chat_format import GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options
 
 # Fields clients send that change nothing here when left at their defaults.
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "reasoning_effort": None}

@@ -1,0 +1,56 @@
+"""``tandem generate``: stream a completion and print a one-line summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.generate import MODES
+from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--mode", default="auto", choices=MODES)
+    p.add_argument("--prompt", required=False, default=None, help="the prompt text ('-' reads standard input)")
+    p.add_argument("--system", default=None, help="a system message (chat template only)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-draft", type=parse_max_draft, default=None,
+                   help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto' "
+                        "(calibrated cost curves + live acceptance); default: the mode's calibrated-free default")
+    add_sampling_arguments(p)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--json", action="store_true", help="print the result summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.errors import TandemError
+
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt is None:
+        raise TandemError("--prompt is required (or '-' to read standard input)")
+    if not prompt.strip():
+        raise TandemError("empty prompt: give some text to continue")
+    if args.max_new_tokens < 1:
+        raise TandemError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    eng = load_engine(args)
+    result = None
+    for chunk in eng.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, max_draft=args.max_draft,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=args.stop, chat_template=not args.no_chat_template, system=args.system):
+        if chunk.text:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        if chunk.result is not None:
+            result = chunk.result
+    sys.stdout.write("\n")
+    if args.json:
+        import json
+
+        print(json.dumps(result.to_dict()))
+    else:
+        print(f"[{eng.name}] {result.summary()}", file=sys.stderr)
+    return 0

@@ -1,0 +1,70 @@
+"""``tandem serve``: OpenAI and Anthropic compatible APIs on one local port (``engine.serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from engine.errors import TandemError
+from engine.generate import MODES
+from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft
+from engine.serve.server import ServerConfig, TandemServer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", default=None,
+                   help="require this key on every route but /health (Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--mode", default="auto", choices=MODES, help="decoding mode when a request names none")
+    p.add_argument("--max-draft", type=parse_max_draft, default=None,
+                   help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto'")
+    add_sampling_arguments(p)
+    p.add_argument("--max-tokens", type=int, default=1024, dest="default_max_tokens",
+                   help="max new tokens when a request does not say (default 1024)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="refuse prompts longer than this (default: the model's max_position_embeddings)")
+    p.add_argument("--served-name", default=None, help="the model name /v1/models reports (default: the model's)")
+    p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while waiting")
+    p.add_argument("--quiet", action="store_true", help="do not log each request")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.default_max_tokens < 1:
+        raise TandemError(f"--max-tokens must be at least 1, got {args.default_max_tokens}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"tandem: warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the model", file=sys.stderr)
+    config = ServerConfig(mode=args.mode, max_draft=args.max_draft, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
+                          max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name)
+    server = TandemServer(lambda: load_engine(args), args.host, args.port, args.api_key, config)
+
+    def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C
+        raise KeyboardInterrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    server.start()
+    print(f"tandem: loading {args.model or 'the starter model'} ...", file=sys.stderr, flush=True)
+    try:
+        server.wait_ready()
+        ctx = server.max_context
+        print(f"tandem: serving {server.model_name} (mode {args.mode}, context {ctx or 'unknown'}) at {server.url}\n"
+              f"  OpenAI:    {server.url}/v1/chat/completions   (base_url={server.url}/v1)\n"
+              f"  Anthropic: {server.url}/v1/messages           (base_url={server.url})\n"
+              f"  telemetry: {server.url}/events  {server.url}/metrics\n"
+              f"  Ctrl-C stops the server.", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("\ntandem: stopping", file=sys.stderr)
+        return 0
+    finally:
+        server.stop()

@@ -1,0 +1,419 @@
+"""The cost model of a speculative round and the ``--max-draft auto`` controller.
+
+A ``Calibration`` holds one machine's measured cost curves for a (target, drafter) pair
+(``engine/calibrate.py`` measures and caches them).
+
+Cost model. A drafter proposes ``L`` tokens (``L`` random for lookup: 0 without a match, then
+``2*match-2``; fixed for model drafters); under cap ``C`` the loop verifies ``k = min(C, L)``.
+Each draft token is accepted with probability ``p`` given the previous one was (per-token
+Bernoulli), so with ``S(i) = P(L >= i)``::
+
+    tokens(C) = 1 + sum_{i=1..C} S(i) p^i
+    ms(C)     = sum_k P(k) verify(k + 1) + draft(C) + overhead          (C >= 1)
+    rate(C)   = tokens(C) / ms(C),        rate(0) = 1 / (verify(1) + step_overhead)
+
+With ``S = 1`` (a fixed-length drafter) this is ``(1 + sum p^i) / (draft(C) + verify(C+1) +
+overhead)``. The default cap maximises it at ``STATIC_P`` = 0.70, the acceptance mlx-dspark fit
+to 7 of 8 measured optima. ``CapController`` re-fits ``p`` and ``S`` from live rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+CONTEXT = 512  # synthetic context the curves are measured at
+STATIC_P = 0.70  # acceptance the default cap is chosen at
+PRIOR_P = 0.65  # the controller's starting acceptance
+PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
+
+
+# ===================================================================== the calibration record
+@dataclass
+class Calibration:
+    """Measured cost curves for one (target, drafter) pair on one machine. Times in ms."""
+
+    key: str
+    fields: dict
+    widths: list[int]
+    verify_ms: list[float]
+    draft_caps: list[int] = field(default_factory=list)
+    draft_ms: list[float] = field(default_factory=list)  # empty: the drafter has no model
+    overhead_ms: float = 0.0  # per speculative round, beyond verify + draft
+    step_overhead_ms: float = 0.0  # per plain step (cap 0)
+    bandwidth: float = 0.0  # copy bandwidth, bytes/s
+    context: int = CONTEXT
+    seconds: float = 0.0  # how long measuring took
+    created: float = 0.0  # unix time
+    from_cache: bool = field(default=False, compare=False)
+    _verify_fit: list | None = field(default=None, init=False, repr=False, compare=False)
+    _draft_fit: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def max_cap(self) -> int:
+        return max(self.widths) - 1
+
+    def verify(self, width: int) -> float:
+        """The model's verify cost: the measured medians made non-decreasing (a wider forward
+        never costs less; dips are mostly timing noise on a busy machine), interpolated."""
+        if self._verify_fit is None:
+            fit = _isotonic(self.verify_ms)
+            self._verify_fit = [_interp(self.widths, fit, w) for w in range(max(self.widths) + 1)]
+        return self._verify_fit[min(max(int(width), 0), len(self._verify_fit) - 1)]
+
+    def draft(self, cap: int) -> float:
+        if cap <= 0 or not self.draft_caps:
+            return 0.0
+        if self._draft_fit is None:
+            fit = _isotonic(self.draft_ms)
+            self._draft_fit = [_interp(self.draft_caps, fit, c) for c in range(max(self.draft_caps) + 1)]
+        return self._draft_fit[min(int(cap), len(self._draft_fit) - 1)]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for private in ("from_cache", "_verify_fit", "_draft_fit"):
+            d.pop(private)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        known = {f for f in cls.__dataclass_fields__ if f not in ("from_cache", "_verify_fit", "_draft_fit")}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def synthetic(cls, verify: Callable[[int], float] | Sequence[float], max_cap: int, *,
+                  draft: Callable[[int], float] | None = None, overhead_ms: float = 0.0,
+                  step_overhead_ms: float = 0.0) -> "Calibration":
+        """Curves from a function of the width (or a list indexed by width - 1): for tests and
+        what-if tables."""
+        widths = list(range(1, max_cap + 2))
+        v = [float(verify(w)) if callable(verify) else float(verify[w - 1]) for w in widths]
+        caps = list(range(1, max_cap + 1)) if draft else []
+        return cls("synthetic", {}, widths, v, caps, [float(draft(c)) for c in caps] if draft else [],
+                   overhead_ms, step_overhead_ms)
+
+
+def _isotonic(ys: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through the measured points; flat outside them."""
+    if x <= xs[0]:
+        return float(ys[0])
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    return float(ys[-1])
+
+
+# ===================================================================== the cost model
+def _survival(survival: Sequence[float] | None, i: int) -> float:
+    if survival is None:
+        return 1.0
+    return float(survival[i]) if i < len(survival) else float(survival[-1])
+
+
+Acceptance = float | Sequence[float]  # one p for every position, or p[i] for draft position i >= 1
+
+
+def _accept(p: Acceptance, i: int) -> float:
+    if isinstance(p, (int, float)):
+        return float(p)
+    return float(p[i]) if i < len(p) else float(p[-1])
+
+
+def expected_tokens(cap: int, p: Acceptance, survival: Sequence[float] | None = None) -> float:
+    """Committed tokens per round: the target's own one plus each draft that is proposed
+    (``S(i)``) and accepted along with all before it (``p^i``, or ``p_1 ... p_i``)."""
+    tokens, chain = 1.0, 1.0
+    for i in range(1, cap + 1):
+        chain *= _accept(p, i)
+        tokens += _survival(survival, i) * chain
+    return tokens
+
+
+def expected_ms(cal: Calibration, cap: int, survival: Sequence[float] | None = None) -> float:
+    if cap <= 0:
+        return cal.verify(1) + cal.step_overhead_ms
+    verify = 0.0
+    for k in range(cap + 1):  # k drafts verified: L == k below the cap, L >= cap at it
+        pk = _survival(survival, k) - (_survival(survival, k + 1) if k < cap else 0.0)
+        if pk > 0:
+            verify += pk * cal.verify(k + 1)
+    return verify + cal.draft(cap) + cal.overhead_ms
+
+
+def rate(cal: Calibration, cap: int, p: Acceptance, survival: Sequence[float] | None = None) -> float:
+    """Expected tokens per second at this cap (see the module docstring)."""
+    if cap <= 0:
+        return 1000.0 / expected_ms(cal, 0)
+    return 1000.0 * expected_tokens(cap, p, survival) / expected_ms(cal, cap, survival)
+
+
+def rates(cal: Calibration, p: Acceptance, survival: Sequence[float] | None = None,
+          max_cap: int | None = None) -> list[float]:
+    """``rate(cal, c, p, survival)`` for every cap c = 0..max_cap in one pass (the controller
+    re-picks every few rounds; this keeps it at microseconds)."""
+    top = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
+    v = [cal.verify(w) for w in range(1, top + 2)]
+    out = [1000.0 / (v[0] + cal.step_overhead_ms)]
+    tokens, shorter, p_i = 1.0, 0.0, 1.0
+    for c in range(1, top + 1):
+        s_prev, s_c = _survival(survival, c - 1), _survival(survival, c)
+        p_i *= _accept(p, c)
+        tokens += s_c * p_i
+        shorter += (s_prev - s_c) * v[c - 1]  # drafts that stopped at c - 1 < cap: verify(c)
+        ms = shorter + s_c * v[c] + cal.draft(c) + cal.overhead_ms
+        out.append(1000.0 * tokens / ms)
+    return out
+
+
+def best_cap(cal: Calibration, p: Acceptance, *, max_cap: int | None = None, survival: Sequence[float] | None = None,
+             allow_park: bool = True) -> int:
+    """The cap with the highest expected rate (the smallest one on a tie); 0 = plain steps."""
+    return _argmax(rates(cal, p, survival, max_cap), allow_park)
+
+
+def _argmax(values: Sequence[float], allow_park: bool) -> int:
+    best, best_value = None, -1.0
+    for c in range(0 if allow_park else 1, len(values)):
+        if values[c] > best_value * (1 + 1e-9):
+            best, best_value = c, values[c]
+    return int(best if best is not None else 0)
+
+
+def static_cap(cal: Calibration, p: float = STATIC_P, max_cap: int | None = None) -> int:
+    """The default cap for fixed ``--max-draft``-less runs: best at ``p``, never 0 (a user who
+    picked a speculative mode gets speculation; ``auto`` may park it)."""
+    return best_cap(cal, p, max_cap=max_cap, allow_park=False)
+
+
+# ===================================================================== the live controller
+@dataclass
+class LearnedState:
+    """What a controller has learned; carried over between requests on the same engine."""
+
+    p: float = PRIOR_P
+    tokens_seen: float = 0.0  # per-token acceptance observations (for the young running mean)
+    at_risk: list[float] = field(default_factory=list)  # rounds known to have L >= i
+    events: list[float] = field(default_factory=list)  # rounds known to have L == i
+    rounds: int = 0  # informative rounds (cap > 0)
+    cap: int | None = None
+    parked: bool = False
+    accepted_at: list[float] = field(default_factory=list)  # per position bucket: drafts accepted
+    tried_at: list[float] = field(default_factory=list)  # per position bucket: drafts reached
+    # decayed least-squares sums for round ms = c0 + c1 * g (g: the curve's width increment)
+    cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
+
+    def shrink(self, factor: float = 0.5) -> None:
+        """Start a new request trusting the old evidence less (the content changed)."""
+        self.tokens_seen *= factor
+        self.at_risk = [x * factor for x in self.at_risk]
+        self.events = [x * factor for x in self.events]
+        self.accepted_at = [x * factor for x in self.accepted_at]
+        self.tried_at = [x * factor for x in self.tried_at]
+        self.cost = [x * factor for x in self.cost]
+
+
+def _bucket(position: int) -> int:
+    """Draft positions 1, 2, 3-4, 5-8, 9-16, ... -> buckets 0, 1, 2, 3, 4, ..."""
+    return max(0, int(position) - 1).bit_length()
+
+
+class _Corrected:
+    """A calibration seen through the live cost fit: ``verify(w) = c0 + c1 * (verify_cal(w) -
+    verify_cal(1))``, drafter ms scaled by ``c1``. Quacks like ``Calibration`` for ``rates``."""
+
+    def __init__(self, cal: Calibration, c0: float, c1: float):
+        self.cal, self.c0, self.c1 = cal, c0, c1
+        self.max_cap, self.overhead_ms, self.step_overhead_ms = cal.max_cap, cal.overhead_ms, cal.step_overhead_ms
+        self._v1 = cal.verify(1)
+
+    def verify(self, width: int) -> float:
+        return self.c0 + self.c1 * (self.cal.verify(width) - self._v1)
+
+    def draft(self, cap: int) -> float:
+        return self.c1 * self.cal.draft(cap)
+
+
+class CapController:
+    """``--max-draft auto``: re-picks the cap from the calibrated curves and live acceptance.
+
+    * Acceptance ``p``: an EWMA of per-token Bernoulli outcomes (each accepted draft a 1, the
+      first rejected one a 0); a fully accepted round adds no 0 (censored: the next draft
+      might have failed too). Young, it is a running mean seeded with ``PRIOR_P``. Per draft
+      position (buckets 1, 2, 3-4, 5-8, ...) the conditional acceptance is estimated too,
+      shrunk toward ``p``: a lookup draft whose first tokens matched tends to match on, which
+      a single ``p`` undervalues.
+    * Draft lengths ``S(i)``: a decayed Kaplan-Meier estimate from the drafts seen. A draft
+      shorter than the cap is the drafter's natural length; one at the cap says only
+      ``L >= cap``. Lengths never seen are assumed to continue (optimism that explores).
+    * Costs: the calibrated curve, corrected live. Round times (``observe``'s seconds) are fit
+      as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a plain step, by
+      decayed least squares shrunk toward the calibration (``c0 = verify(1)``, ``c1 = 1``). It
+      follows what the curve at 512 tokens cannot know: the real context (wide verifies cost
+      relatively less at short contexts on the CPU), load, clocks.
+    * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
+      ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds;
+      parked, every ``probe_every``-th round is a probe at a cheap cap to keep learning.
+
+    The cap only decides how many drafts are verified, never what is committed: lossless.
+    """
+
+    label = "auto"
+
+    def __init__(self, cal: Calibration, max_cap: int | None = None, *, state: LearnedState | None = None,
+                 alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03, repick_every: int = 4,
+                 hysteresis: float = 1.03, park_after: int = 24, probe_every: int = 8, cost_decay: float = 0.01,
+                 cost_prior: float = 0.5, position_prior: float = 4.0, position_decay: float = 0.01):
+        self.cal = cal
+        self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
+        self.state = state if state is not None else LearnedState()
+        n = self.max_cap + 2
+        self.state.at_risk = (self.state.at_risk + [0.0] * n)[:n]
+        self.state.events = (self.state.events + [0.0] * n)[:n]
+        nb = _bucket(self.max_cap) + 1
+        self.state.accepted_at = (self.state.accepted_at + [0.0] * nb)[:nb]
+        self.state.tried_at = (self.state.tried_at + [0.0] * nb)[:nb]
+        self.alpha, self.prior_weight, self.decay = alpha, prior_weight, decay
+        self.repick_every, self.hysteresis = repick_every, hysteresis
+        self.park_after, self.probe_every = park_after, probe_every
+        self.cost_decay, self.cost_prior = cost_decay, cost_prior
+        self.position_prior, self.position_decay = position_prior, position_decay  # structure drifts slowly
+        if len(self.state.cost) != 5:
+            self.state.cost = [0.0] * 5
+        self._since_repick = 0
+        self._since_probe = 0
+        self._last_cap = 0
+        self.history: list[int] = []  # cap returned per round (telemetry, tests)
+        if self.state.cap is None or self.state.cap > self.max_cap:
+            self.state.cap = best_cap(cal, self.state.p, max_cap=self.max_cap, survival=self.survival(),
+                                      allow_park=False)
+
+    # -- the model as learned so far -------------------------------------------------------
+    @property
+    def p(self) -> float:
+        return self.state.p
+
+    def survival(self) -> list[float]:
+        """S(i) = P(L >= i) for i = 0..max_cap + 1."""
+        s, out = 1.0, []
+        for i in range(self.max_cap + 2):
+            out.append(s)
+            # one pseudo-round that continued: a single short draft does not end all hope
+            s *= 1.0 - min(1.0, self.state.events[i] / (self.state.at_risk[i] + 1.0))
+        return out
+
+    def _g(self, drafted: int, cap: int) -> float:
+        """The curve's extra ms for a round that verified ``drafted`` drafts under ``cap``."""
+        return self.cal.verify(drafted + 1) - self.cal.verify(1) + (self.cal.draft(cap) if cap > 0 else 0.0)
+
+    def cost_fit(self) -> tuple[float, float]:
+        """(c0 ms, c1): the live fit of round ms = c0 + c1 * g, shrunk toward (verify(1), 1)."""
+        W, Wg, Wgg, Ws, Wgs = self.state.cost
+        c0p = self.cal.verify(1)
+        g_ref = max(self._g(min(8, self.max_cap), min(8, self.max_cap)), 0.1 * c0p)
+        p0, p1 = self.cost_prior, self.cost_prior * g_ref * g_ref
+        a, b, d = W + p0, Wg, Wgg + p1
+        e, f = Ws + p0 * c0p, Wgs + p1
+        det = a * d - b * b
+        c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
+        return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.02), 10.0)
+
+    def corrected(self) -> "_Corrected":
+        return _Corrected(self.cal, *self.cost_fit())
+
+    def acceptance(self) -> list[float]:
+        """p_i = P(draft i accepted | drafts before it were), i = 0..max_cap (index 0 unused):
+        per position bucket, shrunk toward the overall ``p`` with ``position_prior`` drafts."""
+        st, m = self.state, self.position_prior
+        per_bucket = [(a + m * st.p) / (t + m) for a, t in zip(st.accepted_at, st.tried_at)]
+        return [st.p] + [per_bucket[_bucket(i)] for i in range(1, self.max_cap + 1)]
+
+    def rates(self) -> list[float]:
+        return rates(self.corrected(), self.acceptance(), self.survival(), self.max_cap)
+
+    # -- CapPolicy -------------------------------------------------------------------------
+    def cap(self) -> int:
+        st = self.state
+        if st.parked and self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
+        else:
+            cap = 0 if st.parked else int(st.cap)
+        self._last_cap = cap
+        self.history.append(cap)
+        return cap
+
+    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        st = self.state
+        cap = self._last_cap
+        if st.parked:
+            self._since_probe += 1
+        if cap > 0:
+            st.rounds += 1
+            self._learn_length(min(drafted, cap), cap)
+            self._learn_acceptance(drafted, accepted)
+        if seconds > 0:
+            self._learn_cost(min(drafted, cap), cap, seconds * 1000.0)
+        self._since_repick += 1
+        if self._since_repick >= self.repick_every:
+            self._since_repick = 0
+            self._repick()
+
+    def _learn_acceptance(self, drafted: int, accepted: int) -> None:
+        st = self.state
+        if drafted > 0:
+            keep = 1.0 - self.position_decay
+            st.accepted_at = [x * keep for x in st.accepted_at]
+            st.tried_at = [x * keep for x in st.tried_at]
+            for i in range(1, min(drafted, accepted + 1, self.max_cap) + 1):
+                b = _bucket(i)
+                st.tried_at[b] += 1.0
+                st.accepted_at[b] += 1.0 if i <= accepted else 0.0
+        outcomes = [1.0] * accepted + ([0.0] if accepted < drafted else [])  # censored at full accept
+        for x in outcomes:
+            st.tokens_seen += 1
+            w = max(self.alpha, 1.0 / (st.tokens_seen + self.prior_weight))
+            st.p += w * (x - st.p)
+
+    def _learn_cost(self, k: int, cap: int, ms: float) -> None:
+        g = self._g(k, cap)
+        c0, c1 = self.cost_fit()
+        predicted = c0 + c1 * g
+        ms = min(max(ms, 0.5 * predicted), 2.0 * predicted)  # a burst of contention is not the curve
+        keep = 1.0 - self.cost_decay
+        W, Wg, Wgg, Ws, Wgs = (x * keep for x in self.state.cost)
+        self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + ms, Wgs + g * ms]
+
+    def _learn_length(self, k: int, cap: int) -> None:
+        st = self.state
+        keep = 1.0 - self.decay
+        st.at_risk = [x * keep for x in st.at_risk]
+        st.events = [x * keep for x in st.events]
+        exact = k < cap  # the drafter stopped by itself: L == k
+        for i in range(k + (1 if exact else 0)):
+            st.at_risk[i] += 1.0
+        if exact:
+            st.events[k] += 1.0
+
+    def _repick(self) -> None:
+        st = self.state
+        rates = self.rates()
+        allow_park = st.rounds >= self.park_after
+        best = _argmax(rates, allow_park)
+        current = 0 if st.parked else int(st.cap)
+        if rates[best] > rates[current] * self.hysteresis:
+            if best == 0:
+                st.parked = True
+                self._since_probe = 0
+            else:
+                st.parked, st.cap = False, best

@@ -1,0 +1,235 @@
+"""The server's routes: generation in both dialects, models, health, metrics and events.
+
+A generation request is parsed by its dialect (``engine.serve.openai`` / ``anthropic``), its prompt
+rendered with the tokenizer (under a lock: tokenizers are not thread-safe), then queued for the
+engine thread as a ``Job``; the handler relays the job's chunks to the socket as they come, with
+keep-alives while it waits, and cancels the job when the client leaves."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from typing import Any, Callable, Iterator
+
+from engine.serve import anthropic as anthropic_api
+from engine.serve import openai as openai_api
+from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
+                                      opens_thinking, render_chat)
+from engine.serve.http import ClientGone, RequestHandler
+from engine.serve.worker import Job
+
+POLL_S = 0.05  # how often a waiting handler looks at its socket
+
+
+class Handler(RequestHandler):
+    def do_HEAD(self) -> None:
+        self.do_GET()
+
+    def do_GET(self) -> None:
+        self._handle({"/health": self._health, "/metrics": self._metrics, "/events": self._events,
+                      "/models": self._models, "/": self._index}, get=True)
+
+    def do_POST(self) -> None:
+        self._handle({"/chat/completions": self._chat, "/completions": self._completions,
+                      "/messages": self._messages, "/messages/count_tokens": self._count_tokens}, get=False)
+
+    # -- simple routes --------------------------------------------------------------------------
+    def _index(self) -> None:
+        self._json(200, {"name": "tandem", "model": self.tandem.model_name,
+                         "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                       "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/events"]})
+
+    def _health(self) -> None:
+        w = self.tandem.worker
+        if w.load_error:
+            self._json(503, {"status": "error", "error": w.load_error})
+        elif not w.ready.is_set():
+            self._json(503, {"status": "loading"})
+        else:
+            self._json(200, {"status": "ok", "model": self.tandem.model_name, "mode": self.tandem.config.mode,
+                             "queue_depth": self.tandem.metrics.queued, "in_flight": self.tandem.metrics.in_flight})
+
+    def _metrics(self) -> None:
+        self._send(200, self.tandem.metrics.render().encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def _models(self) -> None:
+        self._engine()
+        name, now = self.tandem.model_name, int(self.tandem.started_at)
+        # One list both SDKs can read: OpenAI's fields and Anthropic's side by side.
+        entry = {"id": name, "object": "model", "created": now, "owned_by": "tandem", "type": "model",
+                 "display_name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                 "context_length": self.tandem.max_context}
+        route = self._route()
+        if route.startswith("/models/"):
+            self._json(200, entry)  # any id: this server answers every model name with its one model
+            return
+        self._json(200, {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name})
+
+    def _events(self) -> None:
+        hub = self.tandem.events
+        q = hub.subscribe()
+        try:
+            self._start_sse()
+            self._write(b": connected\n\n")
+            while True:
+                try:
+                    event = q.get(timeout=min(self.tandem.config.keepalive_s, 1.0))
+                except queue.Empty:
+                    if self._client_gone():
+                        raise ClientGone()
+                    if time.monotonic() - self._last_write >= self.tandem.config.keepalive_s:
+                        self._write(b": keep-alive\n\n")
+                    continue
+                if event is None:  # the server is stopping
+                    self._end_sse()
+                    self.close_connection = True
+                    return
+                self._write(f"event: {event['type']}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n")
+        finally:
+            hub.unsubscribe(q)
+
+    # -- generation -----------------------------------------------------------------------------
+    def _engine(self) -> Any:
+        worker = self.tandem.worker
+        while not worker.ready.wait(POLL_S * 4):
+            if self._client_gone():
+                raise ClientGone()
+        if worker.load_error:
+            raise RequestError(f"the model failed to load: {worker.load_error}", status=503, kind="api_error")
+        return worker.engine
+
+    def _chat(self) -> None:
+        spec = openai_api.parse_chat(self._read_json())
+        self._generate(spec, openai_api.ChatWriter(spec), openai_api)
+
+    def _completions(self) -> None:
+        spec = openai_api.parse_completion(self._read_json())
+        self._generate(spec, None, openai_api)
+
+    def _messages(self) -> None:
+        spec = anthropic_api.parse_request(self._read_json())
+        self._generate(spec, anthropic_api.MessagesWriter(spec), anthropic_api)
+
+    def _count_tokens(self) -> None:
+        spec = anthropic_api.parse_request(self._read_json(), count_only=True)
+        _, ids = self._render(self._engine(), spec)
+        self._json(200, {"input_tokens": len(ids)})
+
+    def _render(self, engine: Any, spec: GenSpec) -> tuple[str, list[int]]:
+        with self.tandem.tokenizer_lock:
+            if spec.kind == "chat":
+                return render_chat(engine.tokenizer, spec.messages, spec.tools)
+            if isinstance(spec.prompt, str):
+                return spec.prompt, engine.encode(spec.prompt, chat_template=False)
+            vocab = engine.target.vocab_size
+            if any(t >= vocab for t in spec.prompt):
+                raise RequestError(f"'prompt' has a token id outside the vocabulary (size {vocab})", param="prompt")
+            return engine.tokenizer.decode(spec.prompt), list(spec.prompt)
+
+    def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
+        t0 = time.perf_counter()
+        srv, cfg = self.tandem, self.tandem.config
+        engine = self._engine()
+        prompt_text, ids = self._render(engine, spec)
+        if writer is None:
+            writer = openai_api.CompletionWriter(spec, prompt_text)
+        limit = srv.max_context
+        if limit and len(ids) >= limit:
+            raise dialect.context_error(len(ids), limit)
+        wanted = spec.max_tokens or cfg.default_max_tokens
+        kwargs = dict(
+            mode=spec.mode or cfg.mode, max_draft=spec.max_draft if spec.max_draft is not None else cfg.max_draft,
+            max_new_tokens=min(wanted, limit - len(ids)) if limit else wanted,
+            temperature=cfg.temperature if spec.temperature is None else spec.temperature,
+            top_p=cfg.top_p if spec.top_p is None else spec.top_p,
+            top_k=cfg.top_k if spec.top_k is None else spec.top_k,
+            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop)
+        prefix = {"openai": "chatcmpl-" if spec.kind == "chat" else "cmpl-", "anthropic": "msg_"}
+        reply = Reply(id=new_id(prefix["anthropic" if dialect is anthropic_api else "openai"]),
+                      model=spec.model or srv.model_name, created=int(time.time()), prompt_tokens=len(ids),
+                      stop=spec.stop)
+        parser = None
+        if spec.kind == "chat":
+            names = [t["function"]["name"] for t in spec.tools] if spec.tools else None
+            parser = OutputParser(tool_names=names, in_think=opens_thinking(prompt_text))
+        job = srv.worker.submit(Job(reply.id, self._endpoint, ids, kwargs))
+        srv.metrics.gauge("in_flight", 1)
+        try:
+            if spec.stream:
+                self._stream(job, writer, parser, reply, spec)
+            else:
+                for _ in self._relay(job, writer, parser, reply, spec):
+                    pass
+                self._json(200, writer.body(reply))
+        finally:
+            job.cancel.set()  # a no-op when it finished; stops it when anything above failed
+            srv.metrics.gauge("in_flight", -1)
+            srv.metrics.latency_observe(time.perf_counter() - t0)
+
+    def _relay(self, job: Job, writer: Any, parser: OutputParser | None, reply: Reply, spec: GenSpec,
+               keepalive: Callable[[], None] | None = None) -> Iterator[list]:
+        """Yield parsed events as the engine produces them; fill ``reply`` when it finishes."""
+        keepalive_s = self.tandem.config.keepalive_s
+        last_check = 0.0
+        while True:
+            try:
+                item = job.out.get(timeout=POLL_S)
+            except queue.Empty:
+                item = None
+            now = time.monotonic()
+            if item is None or now - last_check >= POLL_S:
+                last_check = now
+                if self._client_gone():
+                    job.cancel.set()
+                    raise ClientGone()
+            if item is None:
+                if keepalive is not None and now - self._last_write >= keepalive_s:
+                    keepalive()
+                continue
+            kind = item[0]
+            if kind == "text":
+                events = parser.feed(item[1]) if parser else [("text", item[1])]
+                reply.add(events)
+                yield events
+            elif kind == "result":
+                events = parser.finish() if parser else []
+                reply.add(events)
+                self._finish_reply(reply, item[1], spec, job)
+                yield events
+                return
+            elif kind == "cancelled":
+                raise ClientGone()
+            else:
+                raise RequestError(item[1], status=item[2], kind="invalid_request_error" if item[2] == 400 else "api_error")
+
+    def _finish_reply(self, reply: Reply, result: Any, spec: GenSpec, job: Job) -> None:
+        reply.result = result
+        if result.finish_reason == "stop" and spec.stop:
+            with self.tandem.tokenizer_lock:
+                full = self.tandem.worker.engine.tokenizer.decode(result.token_ids, skip_special_tokens=False)
+            reply.stop_sequence = matched_stop(full, spec.stop)
+        reply.x_tandem = {**result.to_dict(), "ttft_s": round(result.ttft_s, 4),
+                          "queue_s": round(job.started - job.submitted, 4)}
+        if spec.ignored:
+            reply.x_tandem["ignored"] = spec.ignored
+        if result.finish_reason == "cancelled":
+            raise RequestError("the generation was cancelled (the server is shutting down)", status=503,
+                               kind="api_error")
+
+    def _stream(self, job: Job, writer: Any, parser: OutputParser | None, reply: Reply, spec: GenSpec) -> None:
+        def begin() -> None:
+            if not self._sse_open:
+                self._start_sse()
+                self._write(writer.start(reply))
+
+        def keepalive() -> None:
+            begin()
+            self._write(writer.keepalive())
+
+        for events in self._relay(job, writer, parser, reply, spec, keepalive):
+            begin()
+            self._write(writer.events(reply, events))
+        begin()
+        self._write(writer.end(reply))
+        self._end_sse()

@@ -1,0 +1,147 @@
+"""The local API server behind ``tandem serve``: OpenAI and Anthropic dialects on one port.
+
+    tandem serve [--model M] [--mode auto] [--port 8080] [--api-key KEY]
+
+Routes: POST /v1/chat/completions, /v1/completions (OpenAI), /v1/messages,
+/v1/messages/count_tokens (Anthropic); GET /v1/models, /health, /metrics (Prometheus text),
+/events (per-round speculative telemetry as server-sent events). The ``/v1`` prefix is optional.
+
+The pieces: ``http`` (request reading, limits, auth, JSON/SSE replies), ``routes`` (the
+endpoints), ``worker`` (the one engine thread that owns every MLX call), ``metrics`` (Prometheus
+counters, the /events hub), ``openai``/``anthropic`` (the dialects) and ``chat_format`` (prompt
+rendering and output parsing shared by both).
+
+* Cancellation: while relaying, the handler watches its socket and notices a write failure;
+  either sets the request's cancel flag, which ``Engine.stream`` reads after every round and the
+  prefill-progress hook reads between prefill chunks.
+* Streams send a keep-alive (an SSE comment, or Anthropic's ``ping`` event) when nothing was
+  written for ``keepalive_s`` (long queue waits and prefills), so clients and proxies don't time out.
+* Bad JSON or a bad field: 400 with the dialect's error body. A prompt longer than the model's
+  context (``max_position_embeddings`` from the config, or ``--max-context``): 400 naming both
+  numbers; ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+* Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
+  decoding in every mode); a request may pick its own mode and draft cap with the extension
+  field ``"tandem": {"mode": "lookup", "max_draft": 8}``.
+
+In-process use (tests, the app)::
+
+    srv = make_server(lambda: tandem.load(), port=0).start()
+    ... srv.url ...
+    srv.stop()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.errors import TandemError
+from engine.serve.http import HTTPServer
+from engine.serve.metrics import EventHub, Metrics
+from engine.serve.routes import Handler
+from engine.serve.worker import EngineWorker
+
+
+@dataclass
+class ServerConfig:
+    mode: str = "auto"
+    max_draft: int | str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    default_max_tokens: int = 1024
+    max_context: int | None = None  # None: read from the model's config
+    keepalive_s: float = 10.0
+    model_name: str | None = None  # None: the engine's name
+
+
+def model_context(engine: Any) -> int | None:
+    """The model's context length from its config (``max_position_embeddings`` and kin)."""
+    configs = []
+    loaded = getattr(engine, "loaded", None)
+    if loaded is not None and isinstance(getattr(loaded, "config", None), dict):
+        configs += [loaded.config, loaded.config.get("text_config") or {}]
+    args = getattr(engine.model, "args", None)
+    if args is not None:
+        configs.append(vars(args) if hasattr(args, "__dict__") else {})
+    for cfg in configs:
+        for key in ("max_position_embeddings", "n_ctx", "max_sequence_length", "seq_length"):
+            value = cfg.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+class TandemServer:
+    """The HTTP server plus its engine thread. ``start()`` returns at once (the model loads in the
+    engine thread; requests wait for it); ``wait_ready()`` blocks until it is loaded."""
+
+    def __init__(self, engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
+                 api_key: str | None = None, config: ServerConfig | None = None):
+        self.config = config or ServerConfig()
+        self.api_key = api_key or None
+        self.metrics = Metrics()
+        self.events = EventHub(self.metrics)
+        self.worker = EngineWorker(engine_factory, self.events, self.metrics)
+        self.tokenizer_lock = threading.Lock()
+        self.started_at = time.time()
+        try:
+            self.httpd = HTTPServer((host, port), Handler)
+        except OSError as e:
+            raise TandemError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self.httpd.tandem = self  # type: ignore[attr-defined]
+        self.host, self.port = self.httpd.server_address[:2]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        engine = self.worker.engine
+        return self.config.model_name or (engine.name if engine is not None else "tandem")
+
+    @property
+    def max_context(self) -> int | None:
+        if self.config.max_context:
+            return self.config.max_context
+        return model_context(self.worker.engine) if self.worker.engine is not None else None
+
+    def start(self) -> "TandemServer":
+        self.worker.start()
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="tandem-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> "TandemServer":
+        if not self.worker.ready.wait(timeout):
+            raise TandemError(f"the model did not load within {timeout:.0f}s")
+        if self.worker.load_error:
+            raise TandemError(self.worker.load_error)
+        return self
+
+    def stop(self) -> None:
+        self.events.close()
+        if self._thread is not None:
+            self.httpd.shutdown()
+        self.worker.stop()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "TandemServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def make_server(engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
+                api_key: str | None = None, **config: Any) -> TandemServer:
+    """A server (not yet started) whose engine ``engine_factory()`` builds in the engine thread.
+    ``config``: the fields of ``ServerConfig`` (mode, max_draft, temperature, ..., keepalive_s)."""
+    return TandemServer(engine_factory, host, port, api_key, ServerConfig(**config))
