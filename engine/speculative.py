@@ -39,6 +39,7 @@ class RoundEvent:
     draft_s: float = 0.0
     verify_s: float = 0.0
     mode: str = ""
+    drafted_by: str = ""  # the drafter whose draft this round verified ("" when none): "lookup", "dspark", ...
 
 
 class CapPolicy(Protocol):
@@ -105,7 +106,7 @@ def decode(
     t_start = time.perf_counter()
     generated = 0
 
-    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0):
+    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by=""):
         """Apply EOS / length stops to a committed block; return (tokens, event, done)."""
         nonlocal generated
         done = False
@@ -122,7 +123,7 @@ def decode(
         stats.rounds.append((drafted, accepted))
         stats.target_forwards = target.forwards - forwards_at_start
         event = RoundEvent(len(stats.rounds) - 1, time.perf_counter() - t_start, drafted, accepted, len(out), cap,
-                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode)
+                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by)
         return out, event, done
 
     if max_new_tokens <= 0:
@@ -159,7 +160,8 @@ def decode(
         ids.extend(committed)
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
         cap_policy.observe(k, n, t_end - t_round)
-        out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify)
+        out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
+                                (draft.source or drafter.name) if k else "")
         yield out, event
         if done:
             return

@@ -47,3 +47,22 @@ def test_greedy_output_is_unchanged_and_both_draft(tmp_path):
             assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"prompt {i} cap {cap}")
     both = engine.drafter("dspark")
     assert both.from_lookup > 0 and both.from_model > 0
+
+
+def test_round_events_name_the_drafter_of_each_round(tmp_path):
+    """RoundEvent.drafted_by says whose draft a round verified (the app colours tokens by it)."""
+    engine = make_tiny_engine("llama", seed=6)
+    engine.drafter_path = str(write_dspark(tmp_path / "d", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0))
+    engine.lookup_first = True
+    both = engine.drafter("dspark")
+    ids = [5, 9, 14, 3, 22, 5, 9, 14, 3, 22, 7, 8, 2, 5, 9, 14]
+    for mode, allowed in (("dspark", {"lookup", "dspark"}), ("lookup", {"lookup"}), ("baseline", set())):
+        lookups, models = both.from_lookup, both.from_model
+        events = []
+        engine.generate(ids, mode=mode, max_new_tokens=40, on_round=events.append)
+        names = [e.drafted_by for e in events]
+        assert all((e.drafted > 0) == bool(e.drafted_by) for e in events)
+        assert set(names) - {""} <= allowed
+        if mode == "dspark":  # exact: one name per proposal that drafted something
+            assert names.count("lookup") == both.from_lookup - lookups > 0
+            assert 0 < names.count("dspark") <= both.from_model - models

@@ -29,6 +29,7 @@ class Draft:
 
     tokens: mx.array
     probs: mx.array | None = None
+    source: str = ""  # the drafter that made it, set by a drafter that mixes several (LookupFirst)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -44,9 +44,13 @@ class LookupFirst(Drafter):
         draft = self.lookup.propose(ids, cap, sampler)
         if draft is not None and len(draft):
             self.from_lookup += 1
+            draft.source = self.lookup.name
             return draft
         self.from_model += 1
-        return self.model_drafter.propose(ids, min(cap, self.model_drafter.max_draft), sampler)
+        draft = self.model_drafter.propose(ids, min(cap, self.model_drafter.max_draft), sampler)
+        if draft is not None:
+            draft.source = self.model_drafter.name
+        return draft
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self.lookup.commit(ids, n_new, hidden)
