@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, QTimer, Slot
 
 from app.bridge import Bridge
-from app.race_verdict import verdict as race_verdict
+from app.race_verdict import token_sources, verdict as race_verdict
 
 EngineFactory = Callable[[Optional[str], Optional[str]], Any]  # (spec, drafter) -> engine.generate.Engine
 
@@ -180,16 +180,22 @@ class EngineWorker(QObject):
         detok = StreamingDetokenizer(eng.tokenizer)
         result = None
         first = True
+        made_by: list[tuple[int, int, str]] = []  # per round (accepted, committed, drafted_by): token colours
 
         def on_round(ev) -> None:
+            made_by.append((ev.accepted, ev.committed, ev.drafted_by))
             tel.push_round({"index": ev.index, "t": ev.t, "drafted": ev.drafted, "accepted": ev.accepted,
                             "committed": ev.committed, "cap": ev.cap, "context": ev.context,
                             "generated": ev.generated, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
-                            "mode": ev.mode})
+                            "mode": ev.mode, "drafted_by": ev.drafted_by})
+
+        def prefill_progress(done: int, total: int) -> None:
+            if self.bridge.is_cancelled(rid):  # Stop or closing during a long prompt: end after this chunk
+                raise _Cancelled()
 
         kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
                                          "seed", "stop", "system") if k in params and params[k] is not None}
-        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round,
+        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round, prefill_progress=prefill_progress,
                                 cancel=lambda: self.bridge.is_cancelled(rid), **kwargs):
             if chunk.event is not None and first:
                 first = False
@@ -208,6 +214,7 @@ class EngineWorker(QObject):
             pieces[-1] += detok.flush()  # an incomplete multi-byte character at the very end
         out = r.to_dict()
         out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
+                   sources=token_sources(made_by)[: len(r.token_ids)],
                    ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
                    temperature=float(params.get("temperature") or 0.0))
         if r.generated > 1 and r.finish_reason != "cancelled":
@@ -229,6 +236,8 @@ class EngineWorker(QObject):
             out = self._stream(rid, prompt, params, f"chat | {params.get('mode', 'auto')}",
                                on_text=lambda text: b.gen_text.emit(rid, text),
                                started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+        except _Cancelled:  # stopped during the prefill: nothing was generated
+            b.gen_failed.emit(rid, "cancelled")
         except Exception as err:
             _report(err)
             b.gen_failed.emit(rid, _one_line(err))
@@ -262,12 +271,14 @@ class EngineWorker(QObject):
                     lane = self._stream(rid, prompt, dict(params, mode=mode), f"race | {mode}",
                                         on_text=lambda text, i=i: b.race_lane_text.emit(rid, i, text))
                     lane["mode_requested"] = mode
+                except _Cancelled:
+                    lane = {"mode": mode, "error": "cancelled"}
                 except Exception as err:
                     _report(err)
                     lane = {"mode": mode, "error": _one_line(err)}
                 lanes.append(lane)
                 b.race_lane_finished.emit(rid, i, lane)
-            verdicts = self._verdicts(prompt, lanes, params)
+            verdicts = self._verdicts(prompt, lanes, params, rid)
             b.race_finished.emit(rid, {"lanes": lanes, "verdicts": verdicts})
         except Exception as err:
             _report(err)
@@ -275,43 +286,60 @@ class EngineWorker(QObject):
         finally:
             b.busy_changed.emit(False)
 
-    def _verdicts(self, prompt: Any, lanes: list[dict], params: dict) -> list[Optional[dict]]:
+    def _verdicts(self, prompt: Any, lanes: list[dict], params: dict, rid: Optional[int] = None) -> list[Optional[dict]]:
         base = lanes[0] if lanes else None
         if not base or "error" in base:
             return [None for _ in lanes]
         greedy = float(params.get("temperature") or 0.0) <= 0.0
         ref = base["token_ids"]
+        finish = {"reference_finish": base.get("finish_reason", "")}
         out: list[Optional[dict]] = [None]
         for lane in lanes[1:]:
             if "error" in lane:
                 out.append(None)
                 continue
             cand = lane["token_ids"]
-            v = race_verdict(ref, cand, greedy=greedy)
+            kw = dict(finish, candidate_finish=lane.get("finish_reason", ""), greedy=greedy)
+            v = race_verdict(ref, cand, **kw)
             if v.status == "diverged":
-                margin, gap = self._margin_at(prompt, ref[: v.index], v.expected, v.got)
-                names = {t: self.engine.tokenizer.decode([t]) for t in (v.expected, v.got)}
-                v = race_verdict(ref, cand, greedy=greedy, margin=margin, gap=gap, token_text=names)
+                try:
+                    margin, gap, expected, got = self._margin_at(prompt, ref[: v.index], v.expected, v.got, rid)
+                except _Cancelled:  # the race was stopped: the divergence stays unexplained
+                    pass
+                else:
+                    names = {t: self.engine.tokenizer.decode([t]) for t in (expected, got) if t is not None}
+                    v = race_verdict(ref, cand, margin=margin, gap=gap, token_text=names, **kw)
             out.append({"status": v.status, "index": v.index, "expected": v.expected, "got": v.got,
                         "margin": v.margin, "gap": v.gap, "text": v.text, "ok": v.ok})
         return out
 
-    def _margin_at(self, prompt: Any, prefix: list[int], expected: int, got: int) -> tuple[float, float]:
+    def _margin_at(self, prompt: Any, prefix: list[int], expected: Optional[int], got: Optional[int],
+                   rid: Optional[int] = None) -> tuple[float, Optional[float], Optional[int], Optional[int]]:
         """Re-run prompt + baseline's prefix on a clean cache, one forward; return the target's
-        top-1 minus top-2 logit and its logit of ``expected`` minus that of ``got`` there."""
+        top-1 minus top-2 logit and its logit of ``expected`` minus that of ``got`` there. None
+        (a lane ended there) stands for the EOS token the target rates highest: the one greedy
+        picked if it picked EOS."""
         import mlx.core as mx
 
         eng = self.engine
         text, use_template = self._prompt_for(prompt)
         ids = eng.encode(text, chat_template=use_template) + list(prefix)
-        cache = eng.target.new_cache()
-        logits, _ = eng.target.prefill(ids, cache)
+
+        def progress(done: int, total: int) -> None:
+            if rid is not None and self.bridge.is_cancelled(rid):
+                raise _Cancelled()
+
+        logits, _ = eng.target.prefill(ids, eng.target.new_cache(), progress=progress)
         logits = logits.astype(mx.float32)
         top2 = mx.sort(logits)[-2:]
         mx.eval(top2, logits)
+        eos = [int(t) for t in (getattr(eng.tokenizer, "eos_token_ids", None) or [])]
+        best_eos = max(eos, key=lambda t: logits[t].item()) if eos else None
+        expected = best_eos if expected is None else expected
+        got = best_eos if got is None else got
         margin = float(top2[1].item() - top2[0].item())
-        gap = float(logits[expected].item() - logits[got].item())
-        return margin, gap
+        gap = None if expected is None or got is None else float(logits[expected].item() - logits[got].item())
+        return margin, gap, expected, got
 
     # -- calibration ---------------------------------------------------------------------------
     @Slot(int, object)

@@ -139,8 +139,77 @@ def test_race_runs_lanes_and_replays(win, qtbot):
     qtbot.waitUntil(lambda: not race.replay_timer.isActive(), timeout=WAIT_MS)
     assert race.timeline.value() == 1000
     assert race.lanes[1].body.toPlainText().strip() == lookup["text"].strip()
+    # every token says how it was made: baseline's are all the target's own; lookup's accepted
+    # drafts are exactly the lane's accepted tokens, painted in lookup's colour
+    from app.views.token_colours import SOURCE_COLOURS
+
+    assert base["sources"] == ["target"] * 32 and len(lookup["sources"]) == 32
+    assert lookup["sources"].count("lookup") == sum(a for _, a in lookup["rounds"]) > 0
+    assert set(lookup["sources"]) == {"lookup", "target"}
+    painted = [_background(f) for f in _token_formats(race.lanes[1])]
+    assert painted == [SOURCE_COLOURS["lookup"] if s == "lookup" else None for s in lookup["sources"]]
+    assert not race.legend.isHidden()
     assert "tok/s" in race.lanes[1].speed.text() and "×" in race.lanes[1].speed.text()
     assert race.lanes[2].speed.text() == "failed"
+
+
+def _formats(body) -> list:
+    """The char format of every character in a lane's body."""
+    from PySide6.QtGui import QTextCursor
+
+    doc = body.document()
+    out = []
+    for pos in range(doc.characterCount() - 1):
+        cur = QTextCursor(doc)
+        cur.setPosition(pos + 1)  # charFormat() is the format of the character before the cursor
+        out.append(cur.charFormat())
+    return out
+
+
+def _background(fmt):
+    from PySide6.QtGui import QTextFormat
+
+    return fmt.background().color().name() if fmt.hasProperty(QTextFormat.Property.BackgroundBrush) else None
+
+
+def _token_formats(lane) -> list:
+    fmts, starts, pos = _formats(lane.body), [], 0
+    for piece in lane.data["pieces"][: lane.shown]:
+        starts.append(pos)
+        pos += len(piece)
+    return [fmts[p] for p in starts]
+
+
+def test_race_lane_colours_tokens_by_source_over_the_diff(qtbot):
+    from PySide6.QtGui import QTextCharFormat
+
+    from app.views.common import BAD
+    from app.views.race import Lane
+    from app.views.token_colours import SOURCE_COLOURS
+
+    lane = Lane(1, "dspark")
+    qtbot.addWidget(lane)
+    sources = ["target", "lookup", "lookup", "drafter", "target", "drafter"]
+    data = {"mode": "dspark", "token_ids": [1, 2, 3, 4, 5, 6], "pieces": ["a", " b", " c", " d", " e", "\n f"],
+            "sources": sources, "token_times": [0.1 * i for i in range(1, 7)], "decode_tps": 10.0, "tokens": 6,
+            "mean_accepted": 1.5, "cap": 4, "ttft_s": 0.1}
+    lane.finish(data, 5.0)
+    assert "67% from drafts (lookup 33%, drafter 33%)" in lane.meta.text()
+    lane.set_verdict({"status": "diverged", "ok": False, "text": "first divergence at token 4"}, [1, 2, 3, 4, 9, 9])
+    lane.render_upto(3)  # mid-replay: three tokens and a caret
+    assert lane.body.toPlainText() == "a b c▍"
+    lane.render_upto(6)
+    assert lane.body.toPlainText() == "a b c d e\n f" and not lane.caret
+    bg = [_background(f) for f in _token_formats(lane)]
+    assert bg[:4] == [None, SOURCE_COLOURS["lookup"], SOURCE_COLOURS["lookup"], SOURCE_COLOURS["drafter"]]
+    assert bg[4] == BAD  # the first token that differs from baseline
+    fmts = _token_formats(lane)
+    assert fmts[4].foreground().color().name() == "#ffffff"
+    assert bg[5] == SOURCE_COLOURS["drafter"]  # past the divergence: still coloured by source ...
+    assert fmts[5].underlineStyle() == QTextCharFormat.UnderlineStyle.WaveUnderline  # ... and marked
+    assert fmts[0].underlineStyle() == QTextCharFormat.UnderlineStyle.NoUnderline
+    lane.render_upto(2)  # a replay restarts: repainted from scratch
+    assert lane.body.toPlainText() == "a b▍" and len(_token_formats(lane)) == 2
 
 
 def test_race_margin_separates_ties_from_bugs():
@@ -162,20 +231,26 @@ def test_race_margin_separates_ties_from_bugs():
     mx.eval(eng.model.parameters())
     assert eng.generate(PROMPT, mode="baseline", max_new_tokens=12, chat_template=False).token_ids == base
 
-    lane = lambda ids: {"mode": "lookup", "token_ids": ids}  # noqa: E731
+    lane = lambda ids, finish="length": {"mode": "lookup", "token_ids": ids, "finish_reason": finish}  # noqa: E731
     tie_ids = base[:i] + [twin] + base[i + 1:]
     bug_ids = base[:i] + [worst] + base[i + 1:]
-    verdicts = worker._verdicts(PROMPT, [lane(base), lane(base), lane(tie_ids), lane(bug_ids), lane(base[:9])],
-                                {"temperature": 0.0})
+    verdicts = worker._verdicts(PROMPT, [lane(base), lane(base), lane(tie_ids), lane(bug_ids), lane(base[:9], "stop"),
+                                         lane(base[:4], "cancelled")], {"temperature": 0.0})
     assert verdicts[0] is None and verdicts[1]["status"] == "identical"
-    tie, bug, short = verdicts[2], verdicts[3], verdicts[4]
+    tie, bug, short, stopped = verdicts[2], verdicts[3], verdicts[4], verdicts[5]
     assert tie["status"] == "diverged" and tie["index"] == i and tie["gap"] == 0.0 and tie["ok"]
     assert "floating-point tie" in tie["text"]
     expect_gap = float((logits[expected] - logits[worst]).item())
     assert bug["gap"] == pytest.approx(expect_gap, rel=1e-4) and not bug["ok"] and "bug" in bug["text"]
     # the top-2 margin is 0 here (the twin ties the top token): only the gap tells the bug apart
     assert bug["margin"] == 0.0 and tie["margin"] == 0.0
-    assert short["status"] == "length_only" and short["ok"]
+    # a lane that ended (EOS) where baseline went on diverged there: its gap is measured like any other
+    # (the tiny target's EOS logit is pinned to 0, far below baseline's token: a bug, not a tie)
+    eos_logits = eng.model(mx.array([prompt_ids + base[:9]]))[0, -1]
+    assert short["status"] == "diverged" and (short["index"], short["expected"], short["got"]) == (9, base[9], None)
+    assert short["gap"] == pytest.approx(float((eos_logits[base[9]] - eos_logits[0]).item()), rel=1e-4)
+    assert not short["ok"] and "end of output (EOS)" in short["text"] and "bug" in short["text"]
+    assert stopped["status"] == "cancelled" and stopped["ok"]  # the user stopped it: not a divergence
 
 
 # -- telemetry -------------------------------------------------------------------------------------------

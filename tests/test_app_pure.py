@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.race_verdict import (TIE_MARGIN, first_divergence, replay_length, speedup, token_diff, verdict,
-                              visible_tokens)
+from app.race_verdict import (TIE_MARGIN, first_divergence, replay_length, speedup, token_diff, token_sources,
+                              verdict, visible_tokens)
 from app.telemetry_model import (TelemetryBuffer, acceptance_series, ceiling_curve, ceiling_tps, kv_bytes_at,
                                  live_tps)
 
@@ -25,13 +25,39 @@ def test_verdict_identical():
     assert token_diff([5, 6, 7, 8], [5, 6, 7, 8]) == ["same"] * 4
 
 
-def test_verdict_length_only_is_not_a_divergence():
-    v = verdict([5, 6, 7, 8], [5, 6, 7])
-    assert v.status == "length_only" and v.ok and v.index is None
-    assert "not a divergence" in v.text
-    v = verdict([5, 6], [5, 6, 9])
-    assert v.status == "length_only"
-    assert token_diff([5, 6], [5, 6, 9]) == ["same", "same", "extra"]
+def test_verdict_an_early_stop_is_a_divergence():
+    """Same budget, greedy: a lane ending (EOS) where baseline goes on is a divergence at that
+    position, EOS versus baseline's token, reported with its margin like any other."""
+    v = verdict([5, 6, 7, 8], [5, 6, 7], token_text={8: "cat"})
+    assert v.status == "diverged" and (v.index, v.expected, v.got) == (3, 8, None) and not v.ok
+    assert "token 3" in v.text and "'cat'" in v.text and "this lane end of output (EOS)" in v.text
+    bug = verdict([5, 6, 7, 8], [5, 6, 7], margin=4.0, gap=4.0, candidate_finish="stop")
+    assert bug.status == "diverged" and not bug.ok and "bug" in bug.text
+    tie = verdict([5, 6, 7, 8], [5, 6, 7], margin=0.0, gap=0.0, candidate_finish="stop")
+    assert tie.status == "diverged" and tie.ok and "tie" in tie.text
+    # going on where baseline ended is the same divergence seen from the other side
+    v = verdict([5, 6], [5, 6, 9], reference_finish="stop", candidate_finish="length")
+    assert v.status == "diverged" and (v.index, v.expected, v.got) == (2, None, 9)
+    assert first_divergence([5, 6], [5, 6, 9]) == 2 and first_divergence([5, 6], [5, 6]) is None
+    assert token_diff([5, 6], [5, 6, 9, 4]) == ["same", "same", "diverged", "after"]
+    assert token_diff([5, 6, 7, 8], [5, 6, 7]) == ["same"] * 3
+
+
+def test_verdict_a_lane_the_user_stopped_is_not_a_divergence():
+    v = verdict([5, 6, 7, 8], [5, 6], candidate_finish="cancelled")
+    assert v.status == "cancelled" and v.ok and "stopped by the user" in v.text
+    # ... unless it differed before the stop, or it is the longer lane that was cancelled
+    assert verdict([5, 6, 7, 8], [5, 9], candidate_finish="cancelled").status == "diverged"
+    assert verdict([5, 6], [5, 6, 7], reference_finish="stop", candidate_finish="cancelled").status == "diverged"
+
+
+def test_token_sources_follow_the_rounds():
+    # (accepted, committed, drafted_by): the prefill token, a lookup round with 2 of 3 accepted,
+    # a baseline-like step, a drafter round fully accepted, a drafter round cut by EOS after 1
+    rounds = [(0, 1, ""), (2, 3, "lookup"), (0, 1, ""), (3, 4, "dspark"), (2, 1, "dflash"), (0, 0, "lookup")]
+    assert token_sources(rounds) == ["target", "lookup", "lookup", "target", "target", "drafter", "drafter",
+                                     "drafter", "target", "drafter"]
+    assert token_sources([(0, 1, "")] * 3) == ["target"] * 3
 
 
 def test_verdict_planted_divergence_names_position_and_tokens():

@@ -1,6 +1,7 @@
 """Race tab: one prompt, several decoders, run one after the other on the worker (same settings,
-fresh caches), then replayed side by side at their true speed from per-token timestamps, with a
-token diff against baseline and a verdict."""
+fresh caches), then replayed side by side at their true speed from per-token timestamps. Each
+token is coloured by how it was produced (an accepted lookup or drafter draft, or the target's
+own token), with the token diff against baseline on top, and a verdict."""
 
 from __future__ import annotations
 
@@ -9,24 +10,20 @@ import time
 from typing import Optional
 
 from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QColor, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QFrame, QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton,
                                QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
 
 from app.bridge import Bridge
 from app.race_verdict import replay_length, speedup, token_diff, visible_tokens
-from app.views.common import (BAD, LANE_COLOURS, MODE_HELP, Card, fmt_rate, fmt_seconds, hbox, plain_label, set_tone,
-                              spin, title_label)
+from app.views.common import (ACCENT, LANE_COLOURS, MODE_HELP, Card, fmt_rate, fmt_seconds, hbox, plain_label,
+                              set_tone, spin, title_label)
+from app.views.token_colours import legend, source_summary, token_format
 
 RACE_MODES = ("lookup", "draft", "dspark", "dflash")
 DEFAULT_PROMPT = ("Write a Python function that checks whether a string is a palindrome, "
                   "then explain how it works.")
 REPLAY_HZ = 30
-DIFF_STYLE = {
-    "same": "",
-    "extra": "background:#e0f2fe;",
-    "diverged": f"background:{BAD};color:white;border-radius:2px;",
-    "after": "background:#fee2e2;",
-}
 
 
 class Lane(QFrame):
@@ -38,6 +35,8 @@ class Lane(QFrame):
         self.data: Optional[dict] = None
         self.diff: list[str] = []
         self.live_text = ""
+        self.shown = -1  # tokens painted in the body by render_upto (-1: it shows something else)
+        self.caret = False  # a caret glyph follows the tokens shown
         lay = QVBoxLayout(self)
         lay.setContentsMargins(12, 10, 12, 10)
         lay.setSpacing(6)
@@ -61,6 +60,7 @@ class Lane(QFrame):
 
     def append_live(self, text: str) -> None:
         self.live_text += text
+        self.shown = -1
         self.body.setPlainText(self.live_text)
         bar = self.body.verticalScrollBar()
         bar.setValue(bar.maximum())
@@ -81,6 +81,8 @@ class Lane(QFrame):
         if data.get("mode") != "baseline":
             bits.append(f"{data.get('mean_accepted', 0):.2f} tok/round")
             bits.append(f"cap {data.get('cap')}")
+            if share := source_summary(data.get("sources") or []):
+                bits.append(share)
         if data.get("mode") != self.mode:
             bits.append(f"ran as {data.get('mode')}")
         self.meta.setText("  ·  ".join(bits))
@@ -89,28 +91,44 @@ class Lane(QFrame):
         if self.data is None or "error" in self.data:
             return
         self.diff = token_diff(baseline_ids, self.data["token_ids"]) if self.index else []
+        self.shown = -1  # repaint with the diff
         if self.index == 0:
             self.verdict.setText("reference lane")
             set_tone(self.verdict, "muted")
         elif v is not None:
-            mark = "✓ " if v["status"] in ("identical", "length_only") else ("≈ " if v["ok"] else "✗ ")
-            self.verdict.setText(mark + v["text"])
-            set_tone(self.verdict, "good" if v["status"] in ("identical", "length_only")
-                     else ("warn" if v["ok"] else "bad"))
+            clean = v["status"] in ("identical", "cancelled")
+            self.verdict.setText(("✓ " if clean else "≈ " if v["ok"] else "✗ ") + v["text"])
+            set_tone(self.verdict, "good" if clean else ("warn" if v["ok"] else "bad"))
 
     def render_upto(self, n: int) -> None:
-        """Show the first n tokens, each coloured by its diff state against baseline."""
+        """Show the first n tokens, each coloured by its source and its diff state against baseline.
+        Appends to what is shown (the replay grows it every tick); repaints only when going back."""
         if self.data is None or "error" in self.data:
             return
         pieces = self.data.get("pieces") or []
-        out = []
-        for i, piece in enumerate(pieces[:n]):
-            text = html.escape(piece)
-            style = DIFF_STYLE.get(self.diff[i], "") if i < len(self.diff) else ""
-            out.append(f"<span style='{style}'>{text}</span>" if style else text)
-        cursor = "<span style='color:#3563e9'>▍</span>" if n < len(pieces) else ""
-        # pre-wrap keeps the model's indentation and newlines (code) while still wrapping long lines
-        self.body.setHtml(f"<div style='white-space:pre-wrap; line-height:140%'>{''.join(out)}{cursor}</div>")
+        sources = self.data.get("sources") or []
+        n = max(0, min(n, len(pieces)))
+        if self.shown < 0 or n < self.shown:
+            self.body.clear()
+            cursor = QTextCursor(self.body.document())
+            block = QTextBlockFormat()
+            block.setLineHeight(140, QTextBlockFormat.LineHeightTypes.ProportionalHeight.value)
+            cursor.setBlockFormat(block)
+            self.shown, self.caret = 0, False
+        cursor = QTextCursor(self.body.document())
+        cursor.movePosition(QTextCursor.MoveOperation.End)
+        if self.caret:  # the caret glyph sits after the last token shown
+            cursor.deletePreviousChar()
+            self.caret = False
+        for i in range(self.shown, n):
+            cursor.insertText(pieces[i], token_format(sources[i] if i < len(sources) else "target",
+                                                      self.diff[i] if i < len(self.diff) else "same"))
+        self.shown = n
+        if n < len(pieces):
+            caret = QTextCharFormat()
+            caret.setForeground(QColor(ACCENT))
+            cursor.insertText("▍", caret)
+            self.caret = True
         bar = self.body.verticalScrollBar()
         bar.setValue(bar.maximum())
 
@@ -170,6 +188,8 @@ class RaceView(QWidget):
         self.timeline.setTextVisible(False)
         self.clock = plain_label("", "hint", wrap=False)
         root.addLayout(hbox(self.timeline, self.clock))
+        self.legend = legend()
+        root.addWidget(self.legend)
 
         self.lanes_holder = QWidget()
         self.lanes_layout = QGridLayout(self.lanes_holder)
@@ -312,7 +332,7 @@ class RaceView(QWidget):
                 parts.append(f"{lane['mode']}: failed")
                 continue
             sp = speedup(lane.get("decode_tps") or 0.0, base_tps)
-            state = v["status"].replace("_", " ") if v else "?"
+            state = v["status"] if v else "?"
             if v and v["status"] == "diverged":
                 state = "diverged at a floating-point tie" if v["ok"] else "diverged: a real bug"
             name = lane.get("mode_requested", lane["mode"])

@@ -1,0 +1,68 @@
+"""How a race lane paints its tokens: the background says who produced a token (an accepted
+lookup draft, an accepted drafter-model draft, or the target's own choice), the foreground
+marks the token diff against baseline. Qt formats only; the per-token sources come from the
+worker (app.race_verdict.token_sources)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from PySide6.QtGui import QColor, QTextCharFormat
+from PySide6.QtWidgets import QLabel, QWidget
+
+from app.views.common import BAD, hbox
+
+# Soft tints, so long runs stay readable and the diff's red still stands out on top of them.
+SOURCE_COLOURS = {"lookup": "#fde68a", "drafter": "#bfdbfe"}
+SOURCE_LABELS = {"lookup": "lookup draft, accepted", "drafter": "drafter model's draft, accepted",
+                 "target": "the target's own token"}
+AFTER_COLOUR = "#b91c1c"
+
+
+def token_format(source: str, diff: str = "same") -> QTextCharFormat:
+    """The format of one token: background by source, then the diff state over it."""
+    fmt = QTextCharFormat()
+    if source in SOURCE_COLOURS:
+        fmt.setBackground(QColor(SOURCE_COLOURS[source]))
+    if diff == "diverged":  # the first token that differs from baseline: unmissable
+        fmt.setBackground(QColor(BAD))
+        fmt.setForeground(QColor("white"))
+        fmt.setFontWeight(700)
+    elif diff == "after":  # past a divergence the texts no longer line up
+        fmt.setForeground(QColor(AFTER_COLOUR))
+        fmt.setUnderlineStyle(QTextCharFormat.UnderlineStyle.WaveUnderline)
+        fmt.setUnderlineColor(QColor(AFTER_COLOUR))
+    return fmt
+
+
+def source_summary(sources: Sequence[str]) -> str:
+    """e.g. "64% from drafts (lookup 50%, drafter 14%)"; "" when nothing was drafted."""
+    n = len(sources)
+    counts = {k: sum(1 for s in sources if s == k) for k in SOURCE_COLOURS}
+    drafted = sum(counts.values())
+    if not n or not drafted:
+        return ""
+    parts = [f"{k} {100 * c / n:.0f}%" for k, c in counts.items() if c]
+    return f"{100 * drafted / n:.0f}% from drafts ({', '.join(parts)})"
+
+
+def _swatch(colour: str, text: str) -> QWidget:
+    box = QLabel()
+    box.setFixedSize(14, 14)
+    box.setStyleSheet(f"background:{colour}; border:1px solid #d1d5db; border-radius:3px;")
+    w = QWidget()
+    w.setLayout(hbox(box, QLabel(text), spacing=6))
+    return w
+
+
+def legend() -> QWidget:
+    """One row: what each token colour means."""
+    w = QWidget()
+    w.setObjectName("tokenLegend")
+    items = [_swatch(SOURCE_COLOURS["lookup"], SOURCE_LABELS["lookup"]),
+             _swatch(SOURCE_COLOURS["drafter"], SOURCE_LABELS["drafter"]),
+             _swatch("white", SOURCE_LABELS["target"]),
+             _swatch(BAD, "first token that differs from baseline")]
+    lay = hbox(*items, None, spacing=18)
+    w.setLayout(lay)
+    return w
