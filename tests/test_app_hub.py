@@ -8,6 +8,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -154,9 +155,17 @@ FAKE_COMMIT = "c" * 40
 
 
 class FakeHub:
-    def __init__(self, files: dict[str, bytes], delay: float = 0.0):
+    """Serves the download routes, and the search routes from ``models`` (what /api/models lists)
+    and ``repo_files`` (what /api/models/<repo>?blobs=true lists, with sizes). Records every
+    request line, so a test sees which ones arrived through a proxy (absolute-form URLs)."""
+
+    def __init__(self, files: dict[str, bytes], delay: float = 0.0, models: list[dict] | None = None,
+                 repo_files: dict[str, dict[str, int]] | None = None):
         self.files = files
         self.delay = delay
+        self.models = models or []
+        self.repo_files = repo_files or {}
+        self.requests: list[str] = []
         hubself = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -180,8 +189,16 @@ class FakeHub:
                 self._send(200, json.dumps(obj).encode(), {"Content-Type": "application/json"})
 
             def _route(self, head=False):
-                path = self.path.split("?")[0]
+                hubself.requests.append(self.path)
+                url = urlsplit(self.path)  # a proxied request carries the whole URL
+                path, query = url.path, parse_qs(url.query)
                 parts = path.strip("/").split("/")
+                if parts == ["api", "models"]:
+                    return self._json(hubself.search(query))
+                if parts[:2] == ["api", "models"] and "/".join(parts[2:]) in hubself.repo_files:
+                    sizes = hubself.repo_files["/".join(parts[2:])]
+                    return self._json({"id": "/".join(parts[2:]), "sha": FAKE_COMMIT,
+                                       "siblings": [{"rfilename": f, "size": n} for f, n in sizes.items()]})
                 if parts[:2] == ["api", "models"] and "revision" in parts:
                     repo = "/".join(parts[2:parts.index("revision")])
                     return self._json({"id": repo, "sha": FAKE_COMMIT,
@@ -208,6 +225,13 @@ class FakeHub:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def search(self, query: dict) -> list[dict]:
+        """/api/models: ``search`` is a substring of the id, ``filter`` a tag, ``limit`` caps."""
+        text = (query.get("search") or [""])[0].lower()
+        tags = query.get("filter") or []
+        found = [m for m in self.models if text in m["id"].lower() and all(t in m.get("tags", []) for t in tags)]
+        return found[: int((query.get("limit") or [len(found)])[0])]
 
     @property
     def url(self) -> str:
@@ -262,3 +286,55 @@ def test_download_cancel_leaves_a_resumable_incomplete_snapshot(tmp_path, online
                             endpoint=fake.url)  # resumes
     assert Path(path, "model-2.safetensors").read_bytes() == files["model-2.safetensors"]
     assert [(e.name, e.complete) for e in hub.scan_cache(str(tmp_path))[0]] == [("org/fake", True)]
+
+
+# -- behind a proxy; no leaks ------------------------------------------------------------------------
+@pytest.fixture
+def proxied(monkeypatch):
+    """HTTP(S)_PROXY as a user behind a proxy has it, with huggingface_hub's session re-made
+    (it reads the environment once, when created)."""
+    from huggingface_hub.utils import close_session
+
+    def use(proxy: str) -> None:
+        for var in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(var, raising=False)
+        for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+            monkeypatch.setenv(var, proxy)
+        close_session()
+
+    yield use
+    monkeypatch.undo()
+    close_session()
+
+
+def test_download_goes_through_the_users_proxy(tmp_path, online, proxied):
+    """The Hub's host does not resolve here; only the proxy can reach it. The reachability check
+    used to open a direct TCP connection and called a proxied user offline."""
+    with FakeHub(FILES) as proxy:  # the fake answers absolute-form (proxied) requests itself
+        proxied(proxy.url)
+        path = hub.download("org/fake", lambda *a: None, threading.Event(), cache_dir=str(tmp_path),
+                            endpoint="http://hub.tandem-test.invalid")
+        assert Path(path, "model.safetensors").read_bytes() == FILES["model.safetensors"]
+        assert proxy.requests and all(r.startswith("http://hub.tandem-test.invalid/") for r in proxy.requests)
+
+
+def test_unreachable_proxy_is_named_in_the_error(tmp_path, online, proxied):
+    proxied("http://127.0.0.1:9")
+    with pytest.raises(TandemError, match="offline: cannot reach hub.tandem-test.invalid:80 through the proxy"):
+        hub.check_reachable("http://hub.tandem-test.invalid", timeout=2)
+
+
+def test_downloads_leave_no_open_file(tmp_path, online):
+    """Each download used to open os.devnull for its progress bars and never close it."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with FakeHub(FILES) as fake:
+            for i in range(3):
+                hub.download(f"org/fake{i}", lambda *a: None, threading.Event(), cache_dir=str(tmp_path),
+                             endpoint=fake.url)
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) and "unclosed file" in str(w.message)]
+    assert leaks == []

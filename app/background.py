@@ -1,0 +1,80 @@
+"""Blocking work that is not MLX (network, disk scans, downloads) off the GUI thread.
+
+Each ``Job`` runs one call on a daemon Python thread and reports back through Qt signals, which
+Qt queues to the GUI thread. Daemon threads, not QThreads: a QThread still running when its
+object dies aborts the process, and a network call cannot be interrupted, so closing the app
+would have to wait for it; a daemon thread is simply abandoned at exit. MLX work never goes
+here: it belongs to the one engine thread (app.worker).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from PySide6.QtCore import QObject, Signal
+
+from engine.errors import TandemError
+
+
+def one_line(err: BaseException) -> str:
+    """A user-facing sentence for an error: a TandemError's own text, else its type and first line."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if isinstance(err, TandemError):
+        return text or type(err).__name__
+    return f"{type(err).__name__}: {text[:200]}" if text else type(err).__name__
+
+
+class Job(QObject):
+    """``fn(*args, cancel=event, progress=callback, **kwargs)`` on a daemon thread.
+
+    ``succeeded(result)`` or ``failed(one-line reason)`` follows, then ``finished``; a cancelled
+    job still reports (``fn`` decides whether cancelling is an error). ``progress(value)`` carries
+    whatever ``fn`` passes to its progress callback.
+    """
+
+    succeeded = Signal(object)
+    failed = Signal(str)
+    progress = Signal(object)
+    finished = Signal()
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "tandem-job", **kwargs: Any):
+        super().__init__()
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.cancel_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: Optional[BaseException] = None
+
+    def start(self) -> "Job":
+        self.thread.start()
+        return self
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Join the thread (tests, shutdown); True when it ended."""
+        if self.thread.ident is not None:
+            self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def _emit(self, signal, *args) -> None:
+        try:
+            signal.emit(*args)
+        except RuntimeError:  # the window (and this object) went away while the thread ran
+            pass
+
+    def _run(self) -> None:
+        try:
+            result = self.fn(*self.args, cancel=self.cancel_event,
+                             progress=lambda value: self._emit(self.progress, value), **self.kwargs)
+        except Exception as err:  # never let a thread die silently
+            self.error = err
+            self._emit(self.failed, one_line(err))
+        else:
+            self._emit(self.succeeded, result)
+        self._emit(self.finished)
