@@ -26,11 +26,12 @@ def one_line(err: BaseException) -> str:
 
 
 class Job(QObject):
-    """``fn(*args, cancel=event, progress=callback, **kwargs)`` on a daemon thread.
+    """``fn(*args, **kwargs)`` on a daemon thread; with ``control=True`` it also gets
+    ``cancel=`` (a threading.Event that ``cancel()`` sets) and ``progress=`` (a callback whose
+    value the ``progress`` signal carries).
 
     ``succeeded(result)`` or ``failed(one-line reason)`` follows, then ``finished``; a cancelled
-    job still reports (``fn`` decides whether cancelling is an error). ``progress(value)`` carries
-    whatever ``fn`` passes to its progress callback.
+    job still reports (``fn`` decides whether cancelling is an error).
     """
 
     succeeded = Signal(object)
@@ -38,12 +39,17 @@ class Job(QObject):
     progress = Signal(object)
     finished = Signal()
 
-    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "tandem-job", **kwargs: Any):
+    def __init__(self, fn: Callable[..., Any], *args: Any, name: str = "tandem-job", control: bool = False,
+                 **kwargs: Any):
         super().__init__()
         self.fn, self.args, self.kwargs = fn, args, kwargs
         self.cancel_event = threading.Event()
+        if control:
+            self.kwargs.update(cancel=self.cancel_event, progress=lambda value: self._emit(self.progress, value))
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: Optional[BaseException] = None
+        self._reported = False
+        self.finished.connect(self._on_finished)  # queued: runs once the result has been delivered
 
     def start(self) -> "Job":
         self.thread.start()
@@ -54,7 +60,11 @@ class Job(QObject):
 
     @property
     def running(self) -> bool:
-        return self.thread.is_alive()
+        """Started and its result not yet delivered to the GUI thread."""
+        return self.thread.ident is not None and not self._reported
+
+    def _on_finished(self) -> None:
+        self._reported = True
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Join the thread (tests, shutdown); True when it ended."""
@@ -70,8 +80,7 @@ class Job(QObject):
 
     def _run(self) -> None:
         try:
-            result = self.fn(*self.args, cancel=self.cancel_event,
-                             progress=lambda value: self._emit(self.progress, value), **self.kwargs)
+            result = self.fn(*self.args, **self.kwargs)
         except Exception as err:  # never let a thread die silently
             self.error = err
             self._emit(self.failed, one_line(err))

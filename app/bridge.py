@@ -56,11 +56,20 @@ class Bridge(QObject):
         self.telemetry = TelemetryBuffer()
         self.model_info: dict = {}
         self.pairs: list[dict] | None = None  # registry rows, once the worker has read them
+        # (spec, drafter) of each load asked for and not yet answered, oldest first: the worker
+        # answers each with exactly one model_loaded or model_failed, in order
+        self.pending_loads: list[tuple] = []
         self.model_loaded.connect(self._remember_model)
+        self.model_failed.connect(self._load_answered)
         self.registry_rows.connect(self._remember_rows)
 
     def _remember_model(self, info: dict) -> None:
         self.model_info = dict(info)
+        self._load_answered()
+
+    def _load_answered(self, *_) -> None:
+        if self.pending_loads:
+            self.pending_loads.pop(0)
 
     def _remember_rows(self, rows: list) -> None:
         self.pairs = list(rows)
@@ -84,6 +93,7 @@ class Bridge(QObject):
 
     # -- convenience senders used by the views ---------------------------------------------------
     def load(self, spec: str | None, drafter: str | None = None) -> None:
+        self.pending_loads.append((spec, drafter))
         self.load_requested.emit(spec, drafter)
 
     def generate(self, prompt, params: dict) -> int:
@@ -100,6 +110,10 @@ class Bridge(QObject):
         rid = self.next_id()
         self.calibrate_requested.emit(rid, params)
         return rid
+
+
+STOP_WAIT_MS = 3000  # how long closing waits for the worker to wind down
+_OUTLIVED: list["EngineHost"] = []  # hosts whose worker was still busy when their window closed
 
 
 class EngineHost(QObject):
@@ -125,10 +139,19 @@ class EngineHost(QObject):
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout_ms: int = 60_000) -> bool:
-        """Cancel everything, let the running job end at its next round, and join the thread."""
+    def stop(self, timeout_ms: int = STOP_WAIT_MS) -> bool:
+        """Cancel everything and join the thread, waiting at most ``timeout_ms``: a cancelled job
+        ends within one decode round, prefill chunk or calibration step. One that cannot be
+        interrupted (a model load, a GGUF conversion) may take longer; then this host (thread,
+        worker, bridge, signals muted) is kept alive until the process ends rather than let Qt
+        destroy a running QThread, which aborts the process. Returns whether the thread ended."""
         if not self.thread.isRunning():
             return True
         self.bridge.cancel()
         self.thread.quit()
-        return bool(self.thread.wait(timeout_ms))
+        if self.thread.wait(timeout_ms):
+            return True
+        self.bridge.blockSignals(True)  # its views are going away
+        self.bridge.setParent(None)  # outlives its window: the worker still reads it
+        _OUTLIVED.append(self)
+        return False

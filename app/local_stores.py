@@ -205,17 +205,19 @@ def scan_ollama(home: Optional[Path] = None) -> list[LocalModel]:
     return sorted(found, key=lambda m: m.name)
 
 
-def link_for_loading(model: LocalModel, cache_root: Path) -> Path:
+def link_for_loading(name: str, path: Path, cache_root: Path) -> Path:
     """A path the engine's GGUF loader accepts: the file itself when it is named ``*.gguf``,
-    else (an Ollama blob) a symlink ``<cache>/ollama/<name>.gguf`` to it."""
-    if model.path.suffix.lower() == ".gguf" or model.format != "GGUF":
-        return model.path
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", model.name.replace(":", "-")).strip("-.") or "model"
+    else (an Ollama blob) a symlink ``<cache>/ollama/<name>.gguf`` to it, so the model also
+    gets a readable name."""
+    path = Path(path)
+    if path.suffix.lower() == ".gguf" or path.is_dir():
+        return path
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name.replace(":", "-")).strip("-.") or "model"
     link = cache_root / "ollama" / f"{safe}.gguf"
     link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() and link.resolve() == model.path.resolve():
+    if link.is_symlink() and link.resolve() == path.resolve():
         return link
     if link.is_symlink() or link.exists():
         link.unlink()
-    link.symlink_to(model.path)
+    link.symlink_to(path)
     return link

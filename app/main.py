@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -113,7 +114,8 @@ class MainWindow(QMainWindow):
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stop timers and threads (cancelling any generation within a round); idempotent."""
+        """Stop timers and background work, cancel the worker's job and give it a few seconds
+        (a generation stops within a round or a prefill chunk); idempotent, never blocks longer."""
         if self._closed:
             return
         self._closed = True
@@ -123,6 +125,7 @@ class MainWindow(QMainWindow):
         self.host.stop()
 
     def closeEvent(self, event) -> None:
+        self.hide()  # the window goes at once; the worker winds down behind it
         self.shutdown()
         super().closeEvent(event)
 
@@ -147,9 +150,16 @@ def run_app(model: Optional[str] = None, drafter: Optional[str] = None, quit_aft
     if quit_after is not None:
         QTimer.singleShot(int(quit_after * 1000), win.close)
     try:
-        return int(app.exec())
+        rc = int(app.exec())
     finally:
         win.shutdown()
+    if win.host.thread.isRunning():
+        # A job that cannot be interrupted (a model load) outlived the window: end the process
+        # now, without the destructors that would abort on a running QThread.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

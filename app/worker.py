@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from PySide6.QtCore import QObject, QTimer, Slot
 
+from app.background import one_line as _one_line
 from app.bridge import Bridge
 from app.race_verdict import token_sources, verdict as race_verdict
 
@@ -28,15 +29,6 @@ def _report(err: BaseException) -> None:
 
     if not isinstance(err, TandemError):
         traceback.print_exception(err, file=sys.stderr)
-
-
-def _one_line(err: BaseException) -> str:
-    from engine.errors import TandemError
-
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    if isinstance(err, TandemError):
-        return text or type(err).__name__
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 class EngineWorker(QObject):

@@ -4,6 +4,7 @@ random engine (built in that thread by an injected factory), the real views and 
 from __future__ import annotations
 
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -317,42 +318,129 @@ def rows(win) -> dict[str, list[str]]:
             for i in range(t.topLevelItemCount())}
 
 
+def settled(qtbot, models) -> None:
+    """Background scans and Hub calls answered (they run on their own threads)."""
+    qtbot.waitUntil(lambda: not models.busy, timeout=WAIT_MS)
+
+
+def evict(qtbot, models, key: str, answer: bool = True) -> list[str]:
+    """Select a row and press Evict; returns what the confirmation asked (empty: refused first)."""
+    asked = []
+    models.confirm = lambda title, text: asked.append(text) or answer
+    settled(qtbot, models)
+    assert models.select(key)
+    models.evict_selected()
+    settled(qtbot, models)
+    return asked
+
+
 def test_models_lists_the_cache_and_evicts_with_confirmation(win, qtbot, tmp_path):
+    models = win.models
+    settled(qtbot, models)
     r = rows(win)
-    assert r[TARGET][1:3] == ["hf-cache", "target"] and r[DRAFTER][1:3] == ["hf-cache", "drafter"]
+    assert r[TARGET][1:4] == ["hf-cache", "target", "safetensors"] and r[DRAFTER][1:3] == ["hf-cache", "drafter"]
     assert r["smollm2-135m"][1] == "built-in"
     repo_dir = tmp_path / "hub" / "models--org--tiny-dspark"
-    asked = []
-    win.models.confirm = lambda title, text: asked.append(text) or False  # the user says Cancel
-    assert win.models.select(DRAFTER) and not win.models.evict_selected()
+    asked = evict(qtbot, models, DRAFTER, answer=False)  # the user says Cancel
     assert repo_dir.exists() and "frees" in asked[0]
-    win.models.confirm = lambda title, text: True
-    assert win.models.evict_selected()
-    assert not repo_dir.exists() and DRAFTER not in rows(win) and "evicted" in win.models.detail.text()
+    assert evict(qtbot, models, DRAFTER)
+    settled(qtbot, models)
+    assert not repo_dir.exists() and DRAFTER not in rows(win) and "evicted" in models.detail.text()
 
 
 def test_models_refuses_to_evict_the_loaded_model(win, qtbot, tmp_path):
+    settled(qtbot, win.models)
     with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS):
         assert win.models.select(TARGET)
         win.models.load_selected()
     assert rows(win)[TARGET][-1] == "loaded"
-    win.models.confirm = lambda title, text: True
-    assert win.models.select(TARGET) and not win.models.evict_selected()
+    assert evict(qtbot, win.models, TARGET) == []
     assert "loaded right now" in win.models.detail.text()
     assert (tmp_path / "hub" / "models--org--tiny-target").exists()
+
+
+def test_models_refuses_to_evict_a_model_being_loaded(win, qtbot, tmp_path):
+    """Evicting the model the worker is loading would delete its files under the load."""
+    release = threading.Event()
+
+    def slow_load(spec, drafter):
+        release.wait(WAIT_MS / 1000)
+        return tiny_engine()
+
+    win.host.worker.factory = slow_load
+    settled(qtbot, win.models)
+    with qtbot.waitSignal(win.bridge.model_loading, timeout=WAIT_MS):
+        assert win.models.select(TARGET)
+        win.models.load_selected()
+    assert rows(win)[TARGET][-1] == "loading…"
+    try:
+        assert evict(qtbot, win.models, TARGET) == []
+        assert "being loaded right now" in win.models.detail.text()
+        assert (tmp_path / "hub" / "models--org--tiny-target").exists()
+    finally:
+        release.set()
+    qtbot.waitUntil(lambda: not win.bridge.pending_loads, timeout=WAIT_MS)
+
+
+def test_models_refuses_to_evict_a_model_being_downloaded(win, qtbot, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from tests.test_app_hub import FILES
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    models, panel = win.models, win.models.hub_panel
+    hold = threading.Event()  # the weights stall after their first chunk: the download stays in flight
+    with FakeHub(FILES, hold=hold) as fake:
+        models.endpoint = fake.url
+        job = models.start_download("org/fresh")
+        try:
+            qtbot.waitUntil(lambda: "of 2 files" in panel.status.text(), timeout=WAIT_MS)  # config.json came
+            models.refresh()
+            qtbot.waitUntil(lambda: "org/fresh" in rows(win), timeout=WAIT_MS)  # the partial download is listed
+            assert job.running and rows(win)["org/fresh"][-1] == "downloading…"
+            assert evict(qtbot, models, "org/fresh") == []  # refused before asking
+            assert "being downloaded right now" in models.detail.text()
+            assert (tmp_path / "hub" / "models--org--fresh").exists()
+            panel.cancel_download()
+        finally:
+            hold.set()
+        qtbot.waitUntil(lambda: not job.running, timeout=WAIT_MS)
+    assert "cancelled" in panel.status.text()
+
+
+def test_models_scans_off_the_gui_thread(win, qtbot, monkeypatch):
+    """The refresh used to run scan_cache_dir and a snapshot_download per repo on the GUI thread."""
+    from app import hub
+
+    seen = []
+    real = hub.list_models
+
+    def slow_list(*args, **kwargs):
+        seen.append(threading.current_thread())
+        time.sleep(0.5)  # a slow disk or a huge cache
+        return real(*args, **kwargs)
+
+    settled(qtbot, win.models)
+    monkeypatch.setattr(hub, "list_models", slow_list)
+    t0 = time.perf_counter()
+    win.models.refresh()
+    assert time.perf_counter() - t0 < 0.3  # the GUI thread did not wait for the scan
+    settled(qtbot, win.models)
+    assert seen and seen[0] is not threading.main_thread() and TARGET in rows(win)
 
 
 def test_models_download_offline_is_a_clean_error(win, qtbot, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    models = win.models
-    models.repo_input.setText("org/absent")
-    with qtbot.waitSignal(models.download_button.clicked, timeout=1000):
-        models.download_button.click()
-    qtbot.waitUntil(lambda: not models.downloading and models.download_button.isEnabled(), timeout=WAIT_MS)
-    assert "offline" in models.download_status.text() and "org/absent" in models.download_status.text()
-    assert models.progress.value() == 0
+    panel = win.models.hub_panel
+    panel.search_input.setText("org/absent")
+    assert panel.download_button.isEnabled()  # a typed repo id can be downloaded directly
+    panel.download_button.click()
+    settled(qtbot, win.models)
+    qtbot.waitUntil(lambda: panel.download_button.isEnabled(), timeout=WAIT_MS)
+    assert "offline" in panel.status.text() and "org/absent" in panel.status.text()
+    assert panel.progress.value() == 0
 
 
 def test_models_download_shows_progress_and_lands_in_the_table(win, qtbot, monkeypatch):
@@ -364,10 +452,154 @@ def test_models_download_shows_progress_and_lands_in_the_table(win, qtbot, monke
     models = win.models
     with FakeHub(FILES) as fake:
         models.endpoint = fake.url
-        with qtbot.waitSignal(models.progress.valueChanged, timeout=WAIT_MS):
-            t = models.start_download("org/fresh")
-        qtbot.waitUntil(lambda: t.isFinished(), timeout=WAIT_MS)
-        qtbot.waitUntil(lambda: models.download_button.isEnabled(), timeout=WAIT_MS)
-    assert models.progress.value() == 1000 and "in the cache" in models.download_status.text()
+        with qtbot.waitSignal(models.hub_panel.progress.valueChanged, timeout=WAIT_MS):
+            job = models.start_download("org/fresh")
+        qtbot.waitUntil(lambda: not job.running, timeout=WAIT_MS)
+        settled(qtbot, models)
+    panel = models.hub_panel
+    assert panel.progress.value() == 1000 and "in the cache" in panel.status.text()
+    qtbot.waitUntil(lambda: models.selected_entry() is not None, timeout=WAIT_MS)
     assert rows(win)["org/fresh"][1:3] == ["hf-cache", "target"]
     assert models.selected_entry().name == "org/fresh"
+
+
+def test_models_search_picks_a_gguf_file_and_downloads_only_it(win, qtbot, monkeypatch):
+    from huggingface_hub import constants
+
+    from tests.test_app_stores import GGUF_REPO, MLX_REPO
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    models, panel = win.models, win.models.hub_panel
+    quants = {"Tiny-Q8_0.gguf": b"GGUF" + b"\x01" * 4000, "Tiny-Q4_K_M.gguf": b"GGUF" + b"\x02" * 2000}
+    repo = dict(GGUF_REPO, id="org/Tiny-GGUF")
+    with FakeHub(quants, models=[MLX_REPO, repo],
+                 repo_files={repo["id"]: {k: len(v) for k, v in quants.items()}}) as fake:
+        models.endpoint = fake.url
+        panel.search_input.setText("tiny")
+        panel.format.setCurrentText("GGUF")
+        panel.search_button.click()
+        settled(qtbot, models)
+        assert [panel.table.topLevelItem(i).text(0) for i in range(panel.table.topLevelItemCount())] == [repo["id"]]
+        assert "600.0M" == panel.table.topLevelItem(0).text(2)
+        assert panel.select(repo["id"])
+        settled(qtbot, models)  # the file list comes on demand
+        assert panel.file.isVisible() or not panel.isVisible()
+        assert panel.file.currentData() == ("Tiny-Q4_K_M.gguf", len(quants["Tiny-Q4_K_M.gguf"]))  # Q4_K_M first
+        assert panel.table.topLevelItem(0).text(3) == "2.0 KB"
+        job = panel.start_download()
+        qtbot.waitUntil(lambda: not job.running, timeout=WAIT_MS)
+        settled(qtbot, models)
+    key = f"{repo['id']}/Tiny-Q4_K_M.gguf"
+    qtbot.waitUntil(lambda: key in rows(win), timeout=WAIT_MS)
+    snap = tmp_snapshot = models.selected_entry()
+    assert snap is not None and snap.key == key and snap.format == "GGUF" and snap.load_spec.endswith("Tiny-Q4_K_M.gguf")
+    assert not any(k.endswith("Q8_0.gguf") for k in rows(win))  # only the chosen quantization came
+    assert rows(win)[key][-1] == "can't load"  # not a real model: its header is unreadable
+    assert "not a readable GGUF" in tmp_snapshot.problem
+
+
+def test_models_search_error_is_one_line_and_the_tab_keeps_working(win, qtbot, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    models, panel = win.models, win.models.hub_panel
+    models.endpoint = "http://127.0.0.1:9"
+    panel.search_input.setText("qwen")
+    panel.search()
+    settled(qtbot, models)
+    assert panel.status.text().startswith("offline: cannot reach 127.0.0.1:9") and "\n" not in panel.status.text()
+    assert panel.search_button.isEnabled()
+    models.refresh()
+    settled(qtbot, models)
+    assert TARGET in rows(win)
+
+
+def test_models_lists_and_loads_an_ollama_model(qtbot, tmp_path, monkeypatch):
+    """An Ollama blob (no .gguf name) loads through the real GGUF path: linked, converted, loaded."""
+    from tests.test_app_stores import build_stores
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    build_stores(tmp_path / "home")
+
+    def real_loader(spec, drafter):
+        if spec is None:
+            return tiny_engine()
+        from engine.api import load
+
+        return load(spec)
+
+    w = MainWindow(engine_factory=real_loader, cache_dir=str(tmp_path / "hub"))
+    qtbot.addWidget(w)
+    try:
+        qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
+        settled(qtbot, w.models)
+        r = rows(w)
+        assert r["tinyllama:latest"][1:4] == ["Ollama", "target", "GGUF · llama"]
+        assert r["old/Gemma-GGUF/gemma.gguf"][-1] == "can't load"
+        assert w.models.select("tinyllama:latest")
+        assert w.models.load_button.isEnabled()
+        with qtbot.waitSignal(w.bridge.model_loaded, timeout=WAIT_MS) as sig:
+            w.models.load_selected()
+        info = sig.args[0]
+        assert info["name"] == "tinyllama-latest" and info["source"].startswith("gguf:")
+        assert info["source"].split(":", 1)[1] == w.models.selected_entry().path  # the blob itself
+        qtbot.waitUntil(lambda: rows(w)["tinyllama:latest"][-1] == "loaded", timeout=WAIT_MS)
+        assert ask(qtbot, w, "hello", "baseline", 3)["tokens"] <= 3
+    finally:
+        w.shutdown()
+
+
+# -- closing and stopping ---------------------------------------------------------------------------------
+def test_stop_interrupts_a_long_prefill():
+    """Stop (or closing) during the prefill of a long prompt ends it after the chunk in flight;
+    the worker passed no prefill hook, so a Stop waited for the whole prompt."""
+    eng = tiny_engine()
+    bridge = Bridge()
+    worker = EngineWorker(bridge, None)
+    worker.engine = eng
+    failed, finished, chunks = [], [], []
+    bridge.gen_failed.connect(lambda rid, msg: failed.append(msg))
+    bridge.gen_finished.connect(lambda rid, result: finished.append(result))
+    rid = bridge.next_id()
+    real_forward = eng.target.forward
+
+    def forward(ids, cache, **kw):
+        chunks.append(int(ids.shape[1]))
+        if len(chunks) == 1:
+            bridge.cancel(rid)  # the user presses Stop while the first chunk runs
+        return real_forward(ids, cache, **kw)
+
+    eng.target.forward = forward
+    prompt = " ".join(f"w{5 + i % 90}" for i in range(3 * 512 + 10))  # four prefill chunks
+    worker.generate(rid, prompt, {"mode": "lookup", "max_new_tokens": 50})
+    assert failed == ["cancelled"] and finished == []
+    assert chunks == [512]  # nothing ran after the Stop
+
+
+def test_closing_during_an_uninterruptible_load_is_prompt(win, qtbot):
+    """A load cannot be interrupted: closing used to block the GUI thread until it ended (up to
+    60 s), then Qt aborted if it was still running. Now the window goes at once and the worker
+    is kept alive until it ends."""
+    release = threading.Event()
+    releaser = threading.Timer(8.0, release.set)  # the old code returned only when this fired
+
+    def slow_load(spec, drafter):
+        release.wait(WAIT_MS / 1000)
+        return tiny_engine()
+
+    win.host.worker.factory = slow_load
+    with qtbot.waitSignal(win.bridge.model_loading, timeout=WAIT_MS):
+        win.bridge.load("org/slow")
+    releaser.start()
+    try:
+        t0 = time.perf_counter()
+        win.close()
+        took = time.perf_counter() - t0
+        assert took < 5 and win.isHidden()
+        assert win.host.thread.isRunning()  # still loading: kept alive, never destroyed running
+    finally:
+        release.set()
+        releaser.cancel()
+    qtbot.waitUntil(lambda: not win.host.thread.isRunning(), timeout=WAIT_MS)

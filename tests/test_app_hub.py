@@ -160,9 +160,10 @@ class FakeHub:
     request line, so a test sees which ones arrived through a proxy (absolute-form URLs)."""
 
     def __init__(self, files: dict[str, bytes], delay: float = 0.0, models: list[dict] | None = None,
-                 repo_files: dict[str, dict[str, int]] | None = None):
+                 repo_files: dict[str, dict[str, int]] | None = None, hold: threading.Event | None = None):
         self.files = files
         self.delay = delay
+        self.hold = hold  # set: a body longer than one chunk pauses after its first chunk until it is set
         self.models = models or []
         self.repo_files = repo_files or {}
         self.requests: list[str] = []
@@ -181,6 +182,8 @@ class FakeHub:
                 if not head:
                     chunk = 64 * 1024
                     for i in range(0, len(body), chunk):
+                        if i and hubself.hold is not None:
+                            hubself.hold.wait(30)
                         self.wfile.write(body[i:i + chunk])
                         if hubself.delay:
                             time.sleep(hubself.delay)

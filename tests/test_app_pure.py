@@ -187,7 +187,13 @@ qapp = QApplication([])
 bridge = Bridge()
 bridge.pairs = [{"target": "Qwen/Qwen3-4B", "mode": "dspark", "drafter": "org/d"}]
 views = [ChatView(bridge), ModelsView(bridge), RaceView(bridge), TelemetryView(bridge)]
-views[1].refresh()          # lists built-ins and the HF cache, matches registry pairs
+views[1].refresh()          # lists built-ins, the HF cache and other apps' stores (a background thread)
+while views[1].busy:
+    qapp.processEvents()
+views[1].hub_panel.search()  # a Hub search (offline here: a one-line error)
+while views[1].busy:
+    qapp.processEvents()
+assert "offline" in views[1].hub_panel.status.text(), views[1].hub_panel.status.text()
 views[3].redraw(force=True)
 bad = [m for m in sys.modules if m == "mlx" or m.startswith("mlx.") or m.startswith("mlx_lm")]
 print(bad)

@@ -1,53 +1,28 @@
-"""Models tab: built-in models and the local Hugging Face cache; download, evict, load.
+"""Models tab: what is on this machine (built-in models, the Hugging Face cache, LM Studio's and
+Ollama's stores) with load and evict, and the Hugging Face panel (app.views.model_search):
+search, download.
 
-Cache work lives in ``app.hub`` (Qt-free); downloads run in their own QThread (no MLX there)
-and report progress through signals; loading goes to the engine worker through the bridge.
+The data side is ``app.hub`` (Qt-free). Everything slow (cache scans, evictions, the network)
+runs on background threads (app.background), never on the GUI thread; loading goes to the
+engine worker through the bridge.
 """
 
 from __future__ import annotations
 
-import threading
+import os
 from typing import Callable, Optional
 
-from PySide6.QtCore import QThread, Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QLineEdit, QMessageBox, QProgressBar,
-                               QPushButton, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QMessageBox, QPushButton, QSplitter, QTreeWidget,
+                               QTreeWidgetItem, QVBoxLayout, QWidget)
 
 from app import hub
+from app.background import Job
 from app.bridge import Bridge
 from app.views.common import Card, hbox, plain_label, set_tone, title_label
+from app.views.model_search import HubPanel
 
-COLUMNS = ("Model", "Source", "Kind", "Size on disk", "Fits in memory", "Registry pair", "Status")
-
-
-class DownloadThread(QThread):
-    """Runs ``hub.download`` off the GUI thread. Cancel = set the event; the next progress
-    update raises inside huggingface_hub and the thread ends with ``failed("download cancelled")``."""
-
-    progress = Signal(str, float, float)  # (bytes|files, done, total)
-    succeeded = Signal(str, str)  # (repo id, snapshot path)
-    failed = Signal(str, str)  # (repo id, one-line reason)
-
-    def __init__(self, repo_id: str, cache_dir: Optional[str] = None, endpoint: Optional[str] = None):
-        super().__init__()
-        self.repo_id = repo_id
-        self.cache_dir = cache_dir
-        self.endpoint = endpoint
-        self.cancel_event = threading.Event()
-
-    def run(self) -> None:
-        try:
-            path = hub.download(self.repo_id, self.progress.emit, self.cancel_event, cache_dir=self.cache_dir,
-                                endpoint=self.endpoint)
-        except hub.DownloadCancelled:
-            self.failed.emit(self.repo_id, "download cancelled; the partial snapshot stays in the cache "
-                                           "(download again to resume)")
-        except hub.TandemError as err:
-            self.failed.emit(self.repo_id, str(err))
-        except Exception as err:  # never let a thread die silently
-            self.failed.emit(self.repo_id, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-        else:
-            self.succeeded.emit(self.repo_id, path)
+COLUMNS = ("Model", "Source", "Kind", "Format", "Size on disk", "Memory needed", "Fits", "Registry pair", "Status")
 
 
 class ModelsView(QWidget):
@@ -56,11 +31,17 @@ class ModelsView(QWidget):
         super().__init__(parent)
         self.bridge = bridge
         self.cache_dir = cache_dir
-        self.endpoint = endpoint
         self.entries: list[hub.ModelEntry] = []
-        self.download_thread: Optional[DownloadThread] = None
         self.loaded: dict = {}
-        self.loading: Optional[str] = None
+        self.memory = hub.machine_memory()  # reads /proc and cgroups: instant
+        self.dense = hub.default_dense()  # until the engine reports its backend
+        self.backend = ""
+        self.scan_job: Optional[Job] = None
+        self.rescan = False  # a refresh was asked for while a scan ran
+        self.evict_job: Optional[Job] = None
+        self.warnings: list[str] = []
+        self.select_after_scan: Optional[str] = None  # a download's row, selected once listed
+        self.said = False  # a message shows under the table; it stays until the selection changes
         # Asked before evicting; tests replace it (a modal dialog would block them).
         self.confirm: Callable[[str, str], bool] = self._ask
 
@@ -71,8 +52,9 @@ class ModelsView(QWidget):
         self.refresh_button = QPushButton("Refresh")
         self.refresh_button.setObjectName("secondary")
         self.refresh_button.clicked.connect(self.refresh)
-        root.addLayout(hbox((title_label("Models", "Built-in models and your local Hugging Face cache. "
-                                                  "Targets generate; drafters speed a target up."), 1),
+        root.addLayout(hbox((title_label("Models", "On this machine: built-in models, your Hugging Face cache, "
+                                                  "LM Studio and Ollama. Targets generate; drafters speed a "
+                                                  "target up."), 1),
                             self.memory_label, self.refresh_button))
 
         table_card = Card()
@@ -88,7 +70,7 @@ class ModelsView(QWidget):
         header.setSectionResizeMode(0, QHeaderView.Stretch)
         for i in range(1, len(COLUMNS)):
             header.setSectionResizeMode(i, QHeaderView.ResizeToContents)
-        self.table.itemSelectionChanged.connect(self._update_buttons)
+        self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.itemDoubleClicked.connect(lambda *_: self.load_selected())
         table_card.body.addWidget(self.table)
         self.detail = plain_label("", "hint")
@@ -99,87 +81,149 @@ class ModelsView(QWidget):
         self.evict_button.setObjectName("danger")
         self.evict_button.clicked.connect(lambda: self.evict_selected())
         table_card.body.addLayout(hbox((self.detail, 1), self.evict_button, self.load_button))
-        root.addWidget(table_card, 1)
 
-        dl = Card("Download from Hugging Face")
-        self.repo_input = QLineEdit()
-        self.repo_input.setPlaceholderText("org/name, e.g. mlx-community/Qwen3-0.6B-bf16")
-        self.repo_input.returnPressed.connect(self.start_download)
-        self.download_button = QPushButton("Download")
-        self.download_button.setObjectName("primary")
-        self.download_button.clicked.connect(self.start_download)
-        self.cancel_button = QPushButton("Cancel")
-        self.cancel_button.setObjectName("secondary")
-        self.cancel_button.clicked.connect(self.cancel_download)
-        self.cancel_button.setEnabled(False)
-        self.progress = QProgressBar()
-        self.progress.setRange(0, 1000)
-        self.progress.setValue(0)
-        self.progress.setFormat("")
-        self.download_status = plain_label("", "hint")
-        dl.body.addLayout(hbox(self.repo_input, self.download_button, self.cancel_button))
-        dl.body.addWidget(self.progress)
-        dl.body.addWidget(self.download_status)
-        root.addWidget(dl)
+        self.hub_panel = HubPanel(cache_dir, endpoint, machine=lambda: (self.memory, self.dense),
+                                  cached=lambda: {e.name for e in self.entries if e.source == "hf-cache"})
+        self.hub_panel.downloaded.connect(self._on_downloaded)
+        split = QSplitter(Qt.Vertical)
+        split.setChildrenCollapsible(False)
+        split.addWidget(table_card)
+        split.addWidget(self.hub_panel)
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        root.addWidget(split, 1)
 
         bridge.registry_rows.connect(lambda rows: self.refresh())
+        bridge.device_info.connect(self._on_device)
         bridge.model_loaded.connect(self._on_loaded)
         bridge.model_failed.connect(self._on_load_failed)
-        bridge.model_loading.connect(self._on_loading)
+        bridge.model_loading.connect(lambda what: self.redraw())
+        self._show_machine()
         self.refresh()
 
+    # -- endpoint (the Hub panel's; tests point it at a fake Hub) -----------------------------------------
+    @property
+    def endpoint(self) -> Optional[str]:
+        return self.hub_panel.endpoint
+
+    @endpoint.setter
+    def endpoint(self, value: Optional[str]) -> None:
+        self.hub_panel.endpoint = value
+
     # -- listing -------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        mem = hub.machine_memory()
-        self.memory_label.setText(f"this machine: {hub.human_bytes(mem)} memory" if mem else "")
+    @property
+    def busy(self) -> bool:
+        """A scan, an eviction, a search or a file listing is running (tests wait on this);
+        downloads are ``downloading``."""
+        return any(j is not None and j.running for j in (self.scan_job, self.evict_job)) or self.hub_panel.busy
+
+    def refresh(self) -> Optional[Job]:
+        """Rescan every store on a background thread; the table updates when it answers."""
+        if self.scan_job is not None and self.scan_job.running:
+            self.rescan = True
+            return None
+        self.rescan = False
+        job = Job(hub.list_models, self.cache_dir, memory=self.memory, rows=self.bridge.pairs, dense=self.dense,
+                  name="tandem-scan")
+        job.succeeded.connect(self._on_scanned)
+        job.failed.connect(self._on_scan_failed)
+        job.finished.connect(self._on_scan_finished)
+        self.scan_job = job
+        self.refresh_button.setEnabled(False)
+        if not self.entries:
+            self.detail.setText("looking for models…")
+        return job.start()
+
+    def _on_scanned(self, result: tuple) -> None:
+        self.entries, self.warnings = list(result[0]), list(result[1])
+        self.redraw()
+        if self.select_after_scan and self.select(self.select_after_scan):
+            self.select_after_scan = None
+        self.hub_panel.redraw()  # its "in cache" column
+
+    def _on_scan_failed(self, message: str) -> None:
+        self._say(f"could not list the local models: {message}", "bad")
+
+    def _on_scan_finished(self) -> None:
+        self.refresh_button.setEnabled(True)
+        if self.rescan:
+            self.refresh()
+
+    def redraw(self) -> None:
         selected = self.selected_entry()
-        try:
-            self.entries, warnings = hub.list_models(self.cache_dir, memory=mem, rows=self.bridge.pairs)
-        except Exception as err:
-            self.entries, warnings = hub.builtin_entries(mem), [f"could not read the HF cache: {err}"]
         self.table.clear()
         for entry in self.entries:
-            item = QTreeWidgetItem([entry.display_name or entry.name, entry.source, entry.kind, entry.size_str,
-                                    {True: "yes", False: "no", None: "?"}[entry.fits], entry.pair or "–",
-                                    self._status(entry)])
-            item.setData(0, Qt.UserRole, entry.name)
-            item.setToolTip(0, f"{entry.name}\n{entry.description}")
+            fits = {True: "yes", False: "no", None: "?"}[entry.fits]
+            item = QTreeWidgetItem([entry.display_name or entry.name, entry.source, entry.kind,
+                                    entry.format + (f" · {entry.architecture}" if entry.architecture else ""),
+                                    entry.size_str, hub.human_bytes(entry.needed_bytes) if entry.needed_bytes else "?",
+                                    fits, entry.pair or "–", self._status(entry)])
+            item.setData(0, Qt.UserRole, entry.key)
+            item.setToolTip(0, f"{entry.name}\n{entry.description}" + (f"\n{entry.problem}" if entry.problem else ""))
             if self._is_loaded(entry):
                 font = item.font(0)
                 font.setBold(True)
                 for c in range(len(COLUMNS)):
                     item.setFont(c, font)
             if entry.fits is False:
-                item.setForeground(4, Qt.red)
+                item.setForeground(6, Qt.red)
+            if entry.problem:
+                item.setForeground(len(COLUMNS) - 1, Qt.darkGray)
             self.table.addTopLevelItem(item)
-            if selected is not None and entry.name == selected.name:
+            if selected is not None and entry.key == selected.key:
                 item.setSelected(True)
-        hint = f"{len(self.entries)} models"
-        if warnings:
-            hint += f" · {len(warnings)} cache warning(s): {warnings[0][:120]}"
-        self.detail.setText(hint)
         self._update_buttons()
+
+    def _on_device(self, info: dict) -> None:
+        self.memory = int(info.get("memory_bytes") or self.memory)
+        self.backend = str(info.get("backend") or "")
+        self.dense = self.backend == "cpu"
+        for entry in self.entries:
+            hub.assess(entry, self.memory, self.dense)
+        self._show_machine()
+        self.redraw()
+        self.hub_panel.redraw()
+
+    def _show_machine(self) -> None:
+        if not self.memory:
+            self.memory_label.setText("")
+            return
+        how = "weights load as float32" if self.dense else "weights load as stored"
+        where = f"{self.backend} backend: " if self.backend else ""
+        self.memory_label.setText(f"this machine: {hub.human_bytes(self.memory)} memory · {where}{how}")
 
     def _status(self, entry: hub.ModelEntry) -> str:
         if self._is_loaded(entry):
             return "loaded"
-        if self.loading and self.loading == entry.name:
+        if self._touches(entry, self.loading_names()):
             return "loading…"
+        if entry.source == "hf-cache" and entry.name == self.hub_panel.download_repo:
+            return "downloading…"
         if entry.source == "built-in" and not entry.installed:
             return "not installed"
+        if entry.problem:
+            return "can't load"
         if not entry.complete:
             return "incomplete"
         return "ready"
+
+    @staticmethod
+    def _touches(entry: hub.ModelEntry, names: list[str]) -> bool:
+        return any(n and (n in (entry.name, entry.spec) or (entry.repo_path and n.startswith(entry.repo_path)))
+                   for n in names)
 
     def _is_loaded(self, entry: hub.ModelEntry) -> bool:
         info = self.loaded
         if not info:
             return False
         names = {info.get("spec"), info.get("name")} - {None}
-        if entry.name in names or (entry.source == "built-in" and entry.display_name in names):
+        if entry.name in names or entry.spec in names or (entry.source == "built-in" and entry.display_name in names):
             return True
         if entry.source == "built-in" and info.get("spec") is None and info.get("source", "").startswith("builtin:"):
             return entry.name == info["source"].split(":", 1)[1]  # None loads the starter model
+        source = info.get("source") or ""
+        if source.startswith("gguf:") and entry.path and entry.format == "GGUF":  # e.g. via an Ollama link
+            return os.path.realpath(entry.path) == source.split(":", 1)[1]
         path = info.get("path") or ""
         return bool(entry.repo_path and path.startswith(entry.repo_path))
 
@@ -187,34 +231,56 @@ class ModelsView(QWidget):
         info = self.loaded
         return [x for x in (info.get("spec"), info.get("name"), info.get("path"), info.get("drafter")) if x]
 
+    def loading_names(self) -> list[str]:
+        """Specs and drafters of the loads the worker has not finished (Bridge.pending_loads)."""
+        return [x for load in self.bridge.pending_loads for x in load if x]
+
     def selected_entry(self) -> Optional[hub.ModelEntry]:
         items = self.table.selectedItems() if hasattr(self, "table") else []
         if not items:
             return None
-        name = items[0].data(0, Qt.UserRole)
-        return next((e for e in self.entries if e.name == name), None)
+        key = items[0].data(0, Qt.UserRole)
+        return next((e for e in self.entries if e.key == key), None)
 
-    def select(self, name: str) -> bool:
+    def select(self, key: str) -> bool:
         for i in range(self.table.topLevelItemCount()):
             item = self.table.topLevelItem(i)
-            if item.data(0, Qt.UserRole) == name:
+            if item.data(0, Qt.UserRole) == key:
                 self.table.setCurrentItem(item)
                 item.setSelected(True)
                 return True
         return False
 
+    def _on_selection(self) -> None:
+        self.said = False
+        self._update_buttons()
+
     def _update_buttons(self) -> None:
         e = self.selected_entry()
+        loading = bool(self.bridge.pending_loads)
         self.load_button.setEnabled(e is not None and e.kind != "other" and e.installed and e.complete
-                                    and self.loading is None)
-        self.evict_button.setEnabled(e is not None and e.source == "hf-cache")
+                                    and not e.problem and not loading)
+        self.evict_button.setEnabled(e is not None and e.source == "hf-cache"
+                                     and not (self.evict_job is not None and self.evict_job.running))
+        if self.said:
+            return
         if e is not None:
-            self.detail.setText(f"{e.name}: {e.description}")
+            self.detail.setText(f"{e.name}: {e.problem or e.description}")
+            set_tone(self.detail, "warn" if e.problem else "")
+        elif not (self.scan_job is not None and self.scan_job.running and not self.entries):
+            hint = f"{len(self.entries)} models"
+            if self.warnings:
+                hint += f" · {len(self.warnings)} cache warning(s): {self.warnings[0][:120]}"
+            self.detail.setText(hint)
+            set_tone(self.detail, "")
 
     # -- load / evict --------------------------------------------------------------------------
     def load_selected(self) -> None:
         e = self.selected_entry()
         if e is None:
+            return
+        if e.problem:
+            self._say(f"{e.name}: {e.problem}", "warn")
             return
         if e.kind == "drafter":
             target = e.pair
@@ -223,117 +289,98 @@ class ModelsView(QWidget):
                 return
             self.bridge.load(target, e.name)
             return
-        drafter = e.pair if e.pair and any(x.name == e.pair for x in self.entries) else None
-        self.bridge.load(e.name, drafter)
+        spec = e.spec
+        if e.source == "Ollama":  # a blob without a .gguf name: linked under the model's name first
+            from app.local_stores import link_for_loading
+            from engine.gguf import cache_root  # pure (numpy); no MLX
 
-    def evict_selected(self) -> bool:
+            try:
+                spec = str(link_for_loading(e.name, e.path, cache_root()))
+            except OSError as err:
+                self._say(f"cannot link {e.name} for loading: {err}", "bad")
+                return
+        drafter = e.pair if e.pair and any(x.name == e.pair for x in self.entries) else None
+        self.bridge.load(spec, drafter)
+        self.redraw()
+
+    def in_use_reason(self, e: hub.ModelEntry) -> str:
+        downloading = [self.hub_panel.download_repo] if self.hub_panel.downloading else []
+        return hub.in_use_reason(e.name, self.loaded_names(), self.loading_names(), downloading, e.repo_path)
+
+    def evict_selected(self) -> Optional[Job]:
+        """Evict the selected cached repo: its size is read off the GUI thread, the user confirms,
+        the files go on another background job. Refused while it is loaded, being loaded or being
+        downloaded. Returns the job that reads the size (None when refused at once)."""
         e = self.selected_entry()
-        if e is None or e.source != "hf-cache":
-            return False
-        if self._is_loaded(e):
-            self._say(f"'{e.name}' is loaded right now; load another model before evicting it", "bad")
-            return False
-        try:
-            size = hub.eviction_size(e.name, self.cache_dir)
-        except hub.TandemError as err:
-            self._say(str(err), "bad")
-            return False
+        if e is None or e.source != "hf-cache" or (self.evict_job is not None and self.evict_job.running):
+            return None
+        if reason := self.in_use_reason(e):
+            self._say(reason, "bad")
+            return None
+        job = Job(hub.eviction_size, e.name, self.cache_dir, name="tandem-evict")
+        job.succeeded.connect(lambda size, e=e: self._confirm_evict(e, size))
+        job.failed.connect(lambda message: self._say(message, "bad"))
+        job.finished.connect(self._update_buttons)
+        self.evict_job = job
+        return job.start()
+
+    def _confirm_evict(self, e: hub.ModelEntry, size: str) -> None:
         if not self.confirm("Evict model", f"Delete every revision of {e.name} from the Hugging Face cache?\n"
                                            f"This frees {size}."):
-            return False
-        try:
-            freed = hub.evict(e.name, self.cache_dir, loaded=self.loaded_names())
-        except hub.TandemError as err:
-            self._say(str(err), "bad")
-            return False
-        self.refresh()
+            return
+        if reason := self.in_use_reason(e):  # a load or download may have started meanwhile
+            self._say(reason, "bad")
+            return
+        downloading = [self.hub_panel.download_repo] if self.hub_panel.downloading else []
+        job = Job(hub.evict, e.name, self.cache_dir, loaded=self.loaded_names(), loading=self.loading_names(),
+                  downloading=downloading, name="tandem-evict")
+        job.succeeded.connect(lambda freed, e=e: self._on_evicted(e, freed))
+        job.failed.connect(lambda message: self._say(message, "bad"))
+        job.finished.connect(self._update_buttons)
+        self.evict_job = job
+        self._say(f"evicting {e.name}…")
+        job.start()
+
+    def _on_evicted(self, e: hub.ModelEntry, freed: int) -> None:
+        self.entries = [x for x in self.entries if x.name != e.name or x.source != "hf-cache"]
+        self.redraw()
         self._say(f"evicted {e.name}, freed {hub.human_bytes(freed)}", "good")
-        return True
+        self.refresh()
 
     def _ask(self, title: str, text: str) -> bool:
         return QMessageBox.question(self, title, text, QMessageBox.Yes | QMessageBox.Cancel,
                                     QMessageBox.Cancel) == QMessageBox.Yes
 
     def _say(self, text: str, tone: str = "") -> None:
+        self.said = True
         self.detail.setText(text)
         set_tone(self.detail, tone)
 
-    def _on_loading(self, what: str) -> None:
-        self.loading = what
-        self._update_buttons()
-
     def _on_loaded(self, info: dict) -> None:
         self.loaded = dict(info)
-        self.loading = None
-        self.refresh()
+        self.redraw()
         self._say(f"loaded {info.get('name')}" + (f" with drafter {info['drafter']}" if info.get("drafter") else ""),
                   "good")
 
     def _on_load_failed(self, message: str) -> None:
-        self.loading = None
-        self.refresh()
+        self.redraw()
         self._say(message, "bad")
 
-    # -- downloads -------------------------------------------------------------------------------
+    # -- downloads (the Hub panel) ---------------------------------------------------------------------
     @property
     def downloading(self) -> bool:
-        return self.download_thread is not None and self.download_thread.isRunning()
+        return self.hub_panel.downloading
 
-    def start_download(self, repo_id: Optional[str] = None) -> Optional[DownloadThread]:
-        repo_id = (repo_id or self.repo_input.text()).strip()
-        if not repo_id or self.downloading:
-            return None
-        t = DownloadThread(repo_id, self.cache_dir, self.endpoint)
-        t.progress.connect(self._on_progress)
-        t.succeeded.connect(self._on_download_done)
-        t.failed.connect(self._on_download_failed)
-        t.finished.connect(self._on_download_thread_finished)
-        self.download_thread = t
-        self.progress.setRange(0, 0)  # busy until the first byte count arrives
-        self.progress.setFormat("")
-        self.download_status.setText(f"connecting for {repo_id}…")
-        set_tone(self.download_status, "")
-        self.download_button.setEnabled(False)
-        self.cancel_button.setEnabled(True)
-        t.start()
-        return t
+    def start_download(self, repo_id: Optional[str] = None, file: Optional[str] = None) -> Optional[Job]:
+        return self.hub_panel.start_download(repo_id, file)
 
-    def cancel_download(self) -> None:
-        if self.download_thread is not None:
-            self.download_thread.cancel_event.set()
-            self.download_status.setText("cancelling…")
-
-    def _on_progress(self, unit: str, done: float, total: float) -> None:
-        if unit == "bytes" and total > 0:
-            self.progress.setRange(0, 1000)
-            self.progress.setValue(int(1000 * min(done / total, 1.0)))
-            self.progress.setFormat(f"{hub.human_bytes(done)} of {hub.human_bytes(total)}")
-        elif unit == "files" and total > 0:
-            self.download_status.setText(f"{int(done)} of {int(total)} files")
-
-    def _on_download_done(self, repo_id: str, path: str) -> None:
-        self.progress.setRange(0, 1000)
-        self.progress.setValue(1000)
-        self.progress.setFormat("done")
-        self.download_status.setText(f"{repo_id} is in the cache")
-        set_tone(self.download_status, "good")
-        self.refresh()
-        self.select(repo_id)
-
-    def _on_download_failed(self, repo_id: str, message: str) -> None:
-        self.progress.setRange(0, 1000)
-        self.progress.setValue(0)
-        self.progress.setFormat("")
-        self.download_status.setText(message)
-        set_tone(self.download_status, "bad")
+    def _on_downloaded(self, repo_id: str, key: str) -> None:
+        self.select_after_scan = key or None
         self.refresh()
 
-    def _on_download_thread_finished(self) -> None:
-        self.download_button.setEnabled(True)
-        self.cancel_button.setEnabled(False)
-
-    def shutdown(self, timeout_ms: int = 10_000) -> None:
-        t = self.download_thread
-        if t is not None and t.isRunning():
-            t.cancel_event.set()
-            t.wait(timeout_ms)
+    def shutdown(self) -> None:
+        """Cancel background work; its threads are daemons, so closing never waits for the network."""
+        self.hub_panel.shutdown()
+        for job in (self.scan_job, self.evict_job):
+            if job is not None:
+                job.cancel()
