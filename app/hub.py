@@ -266,11 +266,11 @@ def scan_cache(cache_dir: Optional[str] = None, memory: Optional[int] = None,
         base = dict(name=repo.repo_id, source="hf-cache", path=str(snapshot) if snapshot else None,
                     repo_path=str(repo.repo_path), revisions=[r.commit_hash for r in revisions],
                     nb_files=repo.nb_files, description=f"{len(revisions)} revision(s), {repo.nb_files} files")
-        if config is None and snapshot is not None and any(snapshot.rglob("*.gguf")):
+        has_weights = snapshot is not None and any(snapshot.glob("*.safetensors"))
+        if not has_weights and snapshot is not None and any(snapshot.rglob("*.gguf")):  # a GGUF repo
             entries += [assess(e, memory, dense) for e in _gguf_rows(repo, snapshot, base, rows)]
             continue
         quantized = bool(config and ("quantization" in config or "quantization_config" in config))
-        has_weights = snapshot is not None and any(snapshot.glob("*.safetensors"))
         entries.append(assess(ModelEntry(
             **base, display_name=repo.repo_id, size_bytes=int(repo.size_on_disk), kind=model_kind(config),
             complete=_is_complete(repo.repo_id, cache_dir) and not partial, pair=registry_pair(repo.repo_id, rows),

@@ -3,7 +3,8 @@
 Starts the app, drives a chat (two turns), a calibration, a race, and saves one PNG per tab with
 ``QWidget.grab()``:
 
-    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python tests/app_screens.py /tmp/tandem-shots [--demo-cache]
+    xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python tests/app_screens.py /tmp/tandem-shots \
+        [--demo-cache] [--demo-stores] [--demo-hub] [--race-modes lookup,dspark]
     QT_QPA_PLATFORM=offscreen .venv/bin/python tests/app_screens.py /tmp/tandem-shots   # no X at all
 
 Takes about a minute on a 2-core CPU. Exits non-zero if any step fails or times out.
@@ -65,8 +66,30 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--demo-cache", action="store_true",
                    help="show a hand-built HF cache (a target, a drafter) in the Models tab instead of ~/.cache")
+    p.add_argument("--demo-stores", action="store_true",
+                   help="show LM Studio and Ollama stores (tiny GGUFs in their real layouts, in a temp HOME)")
+    p.add_argument("--demo-hub", action="store_true",
+                   help="search a local fake Hub in the Models tab (no network)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.demo_stores:
+        import os
+        import tempfile
+
+        from tests.test_app_stores import build_stores
+
+        home = Path(tempfile.mkdtemp(prefix="tandem-home-"))
+        build_stores(home)
+        os.environ.setdefault("TANDEM_CACHE_DIR", str(Path.home() / ".cache" / "tandem"))  # keep conversions
+        os.environ["HOME"] = str(home)
+    fake_hub = None
+    if args.demo_hub:
+        from huggingface_hub import constants
+
+        from tests.test_app_stores import demo_hub
+
+        constants.HF_HUB_OFFLINE = False
+        fake_hub = demo_hub().__enter__()
 
     cache_dir = None
     if args.demo_cache:
@@ -76,7 +99,7 @@ def main(argv=None) -> int:
 
         cache_dir = str(build_cache(Path(tempfile.mkdtemp(prefix="tandem-demo-"))))
     app = make_application()
-    win = MainWindow(model=args.model, cache_dir=cache_dir)
+    win = MainWindow(model=args.model, cache_dir=cache_dir, endpoint=fake_hub.url if fake_hub else None)
     win.resize(1400, 900)
     win.show()
     errors: list[str] = []
@@ -117,12 +140,24 @@ def main(argv=None) -> int:
         print(race.summary.text())
         shoot(app, win, win.race, args.out / "race.png")
         shoot(app, win, win.telemetry, args.out / "telemetry.png")
+        models = win.models
+        wait_until(app, lambda: not models.busy, 60, "the model list")
+        if fake_hub is not None:
+            panel = models.hub_panel
+            panel.search_input.setText("qwen3")
+            panel.format.setCurrentText("Any format")
+            panel.search()
+            wait_until(app, lambda: not models.busy, 60, "the Hub search")
+            panel.select("Qwen/Qwen3-0.6B-GGUF")
+            wait_until(app, lambda: not models.busy, 60, "the GGUF file list")
         if cache_dir:
-            win.models.select("org/tiny-dspark")
+            models.select("org/tiny-dspark")
         shoot(app, win, win.models, args.out / "models.png")
     finally:
         win.shutdown()
         win.close()
+        if fake_hub is not None:
+            fake_hub.__exit__(None, None, None)
     return 0
 
 

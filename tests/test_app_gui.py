@@ -186,7 +186,7 @@ def test_race_lane_colours_tokens_by_source_over_the_diff(qtbot):
 
     from app.views.common import BAD
     from app.views.race import Lane
-    from app.views.token_colours import SOURCE_COLOURS
+    from app.views.token_colours import SOURCE_COLOURS, source_summary
 
     lane = Lane(1, "dspark")
     qtbot.addWidget(lane)
@@ -195,7 +195,9 @@ def test_race_lane_colours_tokens_by_source_over_the_diff(qtbot):
             "sources": sources, "token_times": [0.1 * i for i in range(1, 7)], "decode_tps": 10.0, "tokens": 6,
             "mean_accepted": 1.5, "cap": 4, "ttft_s": 0.1}
     lane.finish(data, 5.0)
-    assert "67% from drafts (lookup 33%, drafter 33%)" in lane.meta.text()
+    assert "67% drafted (lookup 33%, drafter 33%)" in lane.meta.text()
+    assert source_summary(["lookup", "target", "target", "target"]) == "25% drafted by lookup"
+    assert source_summary(["target"] * 3) == ""
     lane.set_verdict({"status": "diverged", "ok": False, "text": "first divergence at token 4"}, [1, 2, 3, 4, 9, 9])
     lane.render_upto(3)  # mid-replay: three tokens and a caret
     assert lane.body.toPlainText() == "a b c▍"

@@ -188,3 +188,28 @@ def test_gguf_header_reader_matches_the_gguf_library(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 20)
     assert local_stores.gguf_info(tmp_path / "junk.gguf") is None
     assert local_stores.gguf_info(tmp_path / "absent.gguf") is None
+
+
+def demo_hub() -> FakeHub:
+    """A fake Hub with a few realistic search results (tests/app_screens.py --demo-hub)."""
+    big = dict(MLX_REPO, id="mlx-community/Qwen3-30B-A3B-4bit", downloads=48_211, likes=140,
+               safetensors={"parameters": {"BF16": 300_000_000, "U32": 3_800_000_000}, "total": 4_100_000_000})
+    mid = dict(MLX_REPO, id="mlx-community/Qwen3-4B-8bit", downloads=20_113, likes=31,
+               safetensors={"parameters": {"BF16": 400_000_000, "U32": 1_000_000_000}, "total": 1_400_000_000})
+    return FakeHub({}, models=[big, mid, dict(MLX_REPO, downloads=35_002), dict(GGUF_REPO, downloads=61_920), OTHER],
+                   repo_files={GGUF_REPO["id"]: GGUF_FILES})
+
+
+def test_a_cached_gguf_repo_lists_one_row_per_file(tmp_path):
+    from tests.test_app_hub import add_repo
+
+    gguf = tmp_path / "q.gguf"
+    weights = write_tiny_gguf(gguf, "qwen2")
+    add_repo(tmp_path / "hub", "org/Tiny-GGUF", {"Tiny-Q8_0.gguf": gguf.read_bytes(), "mmproj-F16.gguf": b"GGUF",
+                                                  "config.json": b"{}", "README.md": b"# tiny"})
+    entries, _ = hub.scan_cache(str(tmp_path / "hub"), memory=64 * GB, dense=False)
+    assert [(e.name, e.key, e.format, e.architecture, e.problem) for e in entries] == [
+        ("org/Tiny-GGUF", "org/Tiny-GGUF/Tiny-Q8_0.gguf", "GGUF", "qwen2", "")]
+    row = entries[0]
+    assert row.load_spec.endswith("Tiny-Q8_0.gguf") and row.params == _params(weights)
+    assert row.needed_bytes == 2 * row.params  # Metal: the engine converts a GGUF to dense float16

@@ -162,7 +162,8 @@ class HubPanel(Card):
         self.results = list(results)
         self.redraw()
         fmt = self.format.currentText()
-        self._say(f"{len(self.results)} {fmt if fmt != 'Any format' else ''} models, most downloaded first"
+        kind = "" if fmt == "Any format" else f"{fmt} "
+        self._say(f"{len(self.results)} {kind}models, most downloaded first"
                   if self.results else "no models found; try other words or another format", "")
 
     def _on_search_failed(self, message: str) -> None:

@@ -25,6 +25,13 @@ from app.views.model_search import HubPanel
 COLUMNS = ("Model", "Source", "Kind", "Format", "Size on disk", "Memory needed", "Fits", "Registry pair", "Status")
 
 
+def _short(pair: Optional[str]) -> str:
+    """A registry partner as the table shows it: a drafter shipped with Tandem by its folder name."""
+    if not pair:
+        return "–"
+    return pair.split("/")[-1] if pair.startswith("resources:") else pair
+
+
 class ModelsView(QWidget):
     def __init__(self, bridge: Bridge, cache_dir: Optional[str] = None, endpoint: Optional[str] = None,
                  parent: Optional[QWidget] = None):
@@ -157,9 +164,10 @@ class ModelsView(QWidget):
             item = QTreeWidgetItem([entry.display_name or entry.name, entry.source, entry.kind,
                                     entry.format + (f" · {entry.architecture}" if entry.architecture else ""),
                                     entry.size_str, hub.human_bytes(entry.needed_bytes) if entry.needed_bytes else "?",
-                                    fits, entry.pair or "–", self._status(entry)])
+                                    fits, _short(entry.pair), self._status(entry)])
             item.setData(0, Qt.UserRole, entry.key)
             item.setToolTip(0, f"{entry.name}\n{entry.description}" + (f"\n{entry.problem}" if entry.problem else ""))
+            item.setToolTip(7, entry.pair or "")
             if self._is_loaded(entry):
                 font = item.font(0)
                 font.setBold(True)

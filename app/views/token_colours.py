@@ -36,14 +36,16 @@ def token_format(source: str, diff: str = "same") -> QTextCharFormat:
 
 
 def source_summary(sources: Sequence[str]) -> str:
-    """e.g. "64% from drafts (lookup 50%, drafter 14%)"; "" when nothing was drafted."""
+    """e.g. "45% drafted (lookup 12%, drafter 33%)" or "14% drafted by lookup"; "" when nothing was."""
     n = len(sources)
     counts = {k: sum(1 for s in sources if s == k) for k in SOURCE_COLOURS}
     drafted = sum(counts.values())
     if not n or not drafted:
         return ""
-    parts = [f"{k} {100 * c / n:.0f}%" for k, c in counts.items() if c]
-    return f"{100 * drafted / n:.0f}% from drafts ({', '.join(parts)})"
+    used = {k: c for k, c in counts.items() if c}
+    if len(used) == 1:
+        return f"{100 * drafted / n:.0f}% drafted by {next(iter(used))}"
+    return f"{100 * drafted / n:.0f}% drafted ({', '.join(f'{k} {100 * c / n:.0f}%' for k, c in used.items())})"
 
 
 def _swatch(colour: str, text: str) -> QWidget:
