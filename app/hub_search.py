@@ -78,7 +78,8 @@ def to_result(info) -> SearchResult:
         params = int(gguf["total"])
     updated = info.last_modified.date().isoformat() if getattr(info, "last_modified", None) else ""
     return SearchResult(repo_id=info.id, format=fmt, downloads=int(info.downloads or 0), likes=int(info.likes or 0),
-                        updated=updated, size_bytes=size, params=params, architecture=str(gguf.get("architecture") or ""),
+                        updated=updated, size_bytes=size, params=params,
+                        architecture=str(gguf.get("architecture") or ""),
                         pipeline=str(getattr(info, "pipeline_tag", None) or ""))
 
 

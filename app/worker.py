@@ -187,8 +187,9 @@ class EngineWorker(QObject):
 
         kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
                                          "seed", "stop", "system") if k in params and params[k] is not None}
-        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round, prefill_progress=prefill_progress,
-                                cancel=lambda: self.bridge.is_cancelled(rid), **kwargs):
+        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round,
+                                prefill_progress=prefill_progress, cancel=lambda: self.bridge.is_cancelled(rid),
+                                **kwargs):
             if chunk.event is not None and first:
                 first = False
                 if started is not None:
@@ -278,7 +279,8 @@ class EngineWorker(QObject):
         finally:
             b.busy_changed.emit(False)
 
-    def _verdicts(self, prompt: Any, lanes: list[dict], params: dict, rid: Optional[int] = None) -> list[Optional[dict]]:
+    def _verdicts(self, prompt: Any, lanes: list[dict], params: dict,
+                  rid: Optional[int] = None) -> list[Optional[dict]]:
         base = lanes[0] if lanes else None
         if not base or "error" in base:
             return [None for _ in lanes]

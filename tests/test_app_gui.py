@@ -493,11 +493,11 @@ def test_models_search_picks_a_gguf_file_and_downloads_only_it(win, qtbot, monke
         settled(qtbot, models)
     key = f"{repo['id']}/Tiny-Q4_K_M.gguf"
     qtbot.waitUntil(lambda: key in rows(win), timeout=WAIT_MS)
-    snap = tmp_snapshot = models.selected_entry()
-    assert snap is not None and snap.key == key and snap.format == "GGUF" and snap.load_spec.endswith("Tiny-Q4_K_M.gguf")
+    row = models.selected_entry()
+    assert row is not None and row.key == key and row.format == "GGUF" and row.load_spec.endswith("Tiny-Q4_K_M.gguf")
     assert not any(k.endswith("Q8_0.gguf") for k in rows(win))  # only the chosen quantization came
     assert rows(win)[key][-1] == "can't load"  # not a real model: its header is unreadable
-    assert "not a readable GGUF" in tmp_snapshot.problem
+    assert "not a readable GGUF" in row.problem
 
 
 def test_models_search_error_is_one_line_and_the_tab_keeps_working(win, qtbot, monkeypatch):

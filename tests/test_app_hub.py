@@ -339,5 +339,6 @@ def test_downloads_leave_no_open_file(tmp_path, online):
                 hub.download(f"org/fake{i}", lambda *a: None, threading.Event(), cache_dir=str(tmp_path),
                              endpoint=fake.url)
         gc.collect()
-    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning) and "unclosed file" in str(w.message)]
+    leaks = [str(w.message) for w in caught
+             if issubclass(w.category, ResourceWarning) and "unclosed file" in str(w.message)]
     assert leaks == []

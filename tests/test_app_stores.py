@@ -17,7 +17,8 @@ from tests.test_gguf import write_tiny_gguf
 
 GB = 10**9
 MLX_REPO = {"id": "mlx-community/Qwen3-0.6B-4bit", "library_name": "mlx", "tags": ["mlx", "safetensors", "qwen3"],
-            "downloads": 900, "likes": 12, "lastModified": "2025-05-01T10:00:00.000Z", "pipeline_tag": "text-generation",
+            "downloads": 900, "likes": 12, "lastModified": "2025-05-01T10:00:00.000Z",
+            "pipeline_tag": "text-generation",
             "safetensors": {"parameters": {"BF16": 1_000_000, "U32": 500_000}, "total": 1_500_000}}
 MLX_8BIT = {"id": "mlx-community/Qwen3-0.6B-8bit", "library_name": "mlx", "tags": ["mlx"], "downloads": 50,
             "safetensors": {"parameters": {"BF16": 1_000_000, "U32": 500_000}, "total": 1_500_000}}
