@@ -20,12 +20,18 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
 from engine.errors import TandemError
+
+try:
+    import fcntl
+except ImportError:  # Windows: conversions there are not guarded against a concurrent process
+    fcntl = None  # type: ignore[assignment]
 
 CONVERTER_VERSION = 2  # bump when the output changes: old cache entries are then ignored
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -499,34 +505,62 @@ def ensure_converted(
     """The cached mlx-lm folder for a GGUF (or ordered split parts), converting on first use.
 
     The conversion is built in a temp folder next to the cache and renamed into place, so an
-    interrupted run never leaves a half folder; a second call returns at once.
+    interrupted run never leaves a half folder; a second call returns at once. Conversions of one
+    model hold a file lock, so a process that finds no conversion waits for one that is making it
+    and takes its result, and a finished conversion is never taken for a damaged one and deleted.
     """
     target = converted_path(source, name)
     files = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     sources = [str(Path(p).resolve()) for p in files]
     if is_converted(target):
         return target
-    if target.exists():  # damaged by hand; rebuild
-        shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        if isinstance(source, (str, os.PathLike)):
-            gguf_file = Path(source)
-        else:  # assembled only for the conversion; the parts stay the source of truth
-            gguf_file = assemble_parts(source, work / "assembled.gguf", expected_size)
-        out = convert_gguf(gguf_file, work / "model", sources=sources)
-        if gguf_file.parent == work:
-            gguf_file.unlink()
+    with _conversion_lock(target):
+        if is_converted(target):  # another process finished it while we looked or waited
+            return target
+        if target.exists():  # damaged by hand (or by a crash); rebuild
+            shutil.rmtree(target, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            os.rename(out, target)
-        except OSError:
-            if not is_converted(target):  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    _prune_stale(target, sources)
+            if isinstance(source, (str, os.PathLike)):
+                gguf_file = Path(source)
+            else:  # assembled only for the conversion; the parts stay the source of truth
+                gguf_file = assemble_parts(source, work / "assembled.gguf", expected_size)
+            out = convert_gguf(gguf_file, work / "model", sources=sources)
+            if gguf_file.parent == work:
+                gguf_file.unlink()
+            try:
+                os.rename(out, target)
+            except OSError:
+                if not is_converted(target):  # an unlocked process (no flock) won the race
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        _prune_stale(target, sources)
     return target
+
+
+@contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` for the conversions of ``target``'s model (every cache key of
+    its name, so pruning stale siblings is covered too). Without fcntl (Windows) or where the
+    filesystem refuses locks, go on unlocked: a lost race then costs a second conversion."""
+    if fcntl is None:
+        yield
+        return
+    locks = target.parent / ".locks"
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{target.name.rsplit('-', 1)[0]}.lock", "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            locked = True
+        except OSError:  # ENOLCK / EOPNOTSUPP on some network filesystems
+            locked = False
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _prune_stale(target: Path, sources: list[str]) -> None:

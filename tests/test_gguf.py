@@ -474,3 +474,62 @@ def test_storage_is_float16_for_quantized_sources(tmp_path):
     stored = load_file(eg.ensure_converted(path) / "model.safetensors")
     assert {str(v.dtype) for v in stored.values()} == {"float16"}
     np.testing.assert_allclose(stored["model.embed_tokens.weight"], q8_roundtrip(emb), rtol=1e-3, atol=1e-3)
+
+
+def test_concurrent_conversions_never_delete_a_finished_one(tmp_path, monkeypatch):
+    """B finds no conversion, then A renames its finished one into place: B must take A's, not
+    delete it as damaged (a third process may be loading it) and convert again."""
+    import threading
+
+    path = tmp_path / "raced.gguf"
+    write_tiny_gguf(path, "llama")
+    a_converting, b_checked, a_done = threading.Event(), threading.Event(), threading.Event()
+    real_convert, real_is_converted = eg.convert_gguf, eg.is_converted
+    converted_by, results = [], {}
+
+    def convert(*args, **kw):
+        converted_by.append(threading.current_thread().name)
+        if threading.current_thread().name == "A":
+            a_converting.set()
+            b_checked.wait(5)
+        return real_convert(*args, **kw)
+
+    def is_converted(folder):
+        done = real_is_converted(folder)
+        if threading.current_thread().name == "B" and not b_checked.is_set():
+            b_checked.set()
+            a_done.wait(10)  # the forced interleaving: A finishes between B's look and B's next step
+        return done
+
+    def run(name):
+        results[name] = eg.ensure_converted(path)
+        if name == "A":
+            a_done.set()
+
+    monkeypatch.setattr(eg, "convert_gguf", convert)
+    monkeypatch.setattr(eg, "is_converted", is_converted)
+    a = threading.Thread(target=run, args=("A",), name="A")
+    a.start()
+    assert a_converting.wait(10)
+    b = threading.Thread(target=run, args=("B",), name="B")
+    b.start()
+    a.join(30)
+    b.join(30)
+    assert results["A"] == results["B"] and real_is_converted(results["A"])
+    assert converted_by == ["A"]
+
+
+@pytest.mark.parametrize("flock", ["missing", "refused"])
+def test_conversion_without_a_working_file_lock(tmp_path, monkeypatch, flock):
+    """Windows has no fcntl, some network filesystems refuse flock: convert unlocked."""
+    class Refusing:
+        LOCK_EX, LOCK_UN = 2, 8
+
+        @staticmethod
+        def flock(fd, op):
+            raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(eg, "fcntl", None if flock == "missing" else Refusing)
+    path = tmp_path / f"unlocked-{flock}.gguf"
+    write_tiny_gguf(path, "llama")
+    assert eg.is_converted(eg.ensure_converted(path))
