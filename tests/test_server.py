@@ -611,9 +611,13 @@ def test_output_parser_keeps_broken_tool_call_as_text_and_opens_in_think():
 
 # -- CLI ----------------------------------------------------------------------------------------
 
-def test_serve_and_claude_cli(scripted, capfd):
+def test_serve_and_claude_cli(scripted, capfd, tmp_path, monkeypatch):
     from engine.cli import claude
     from engine.cli import build_parser, main
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # no Claude Code settings file of this machine's user
+    monkeypatch.delenv("CLAUDE_CONFIG_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
 
     args = build_parser("serve").parse_args(["serve", "--port", "0", "--api-key", "k", "--mode", "lookup",
                                              "--max-draft", "auto", "--max-context", "100", "--model", "x"])

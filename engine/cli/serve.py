@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from engine.errors import TandemError
@@ -15,12 +17,46 @@ from engine.options import add_model_arguments, add_sampling_arguments, load_eng
 from engine.serve.server import ServerConfig, TandemServer
 
 
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def add_api_key_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--api-key", default=None,
+                   help=f"{what} (visible to other local users in ps: prefer ${API_KEY_ENV} or --api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the key from this file (one line)")
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """The key from --api-key, --api-key-file or $TANDEM_API_KEY (in that order); None if none."""
+    if args.api_key and args.api_key_file:
+        raise TandemError("give --api-key or --api-key-file, not both")
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TandemError(f"cannot read --api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+        if len(lines) != 1 or not lines[0].strip():
+            raise TandemError(f"--api-key-file {args.api_key_file} must hold the key on one line")
+        return lines[0].strip()
+    if args.api_key:
+        print(f"tandem: note: --api-key is visible to other users of this machine (ps); ${API_KEY_ENV} or "
+              "--api-key-file keep it private", file=sys.stderr)
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--api-key", default=None,
-                   help="require this key on every route but /health (Authorization: Bearer KEY or x-api-key: KEY)")
+    add_api_key_arguments(p, "require this key on every route but /health (Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host is NAME (a reverse proxy's or a LAN name; '*': any). "
+                        "Always answered: IP addresses, localhost, the --host name, and with --host 0.0.0.0 this "
+                        "machine's host names")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="serve browser requests from this web origin (e.g. http://localhost:3000; '*': any), "
+                        "with CORS headers; by default requests from web pages are refused")
     p.add_argument("--mode", default="auto", choices=MODES, help="decoding mode when a request names none")
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto'")
@@ -39,13 +75,17 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     if args.default_max_tokens < 1:
         raise TandemError(f"--max-tokens must be at least 1, got {args.default_max_tokens}")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.seed is not None and not 0 <= args.seed < 2**64:
+        raise TandemError(f"--seed must be between 0 and {2**64 - 1}, got {args.seed}")
+    api_key = api_key_from(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"tandem: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)
     config = ServerConfig(mode=args.mode, max_draft=args.max_draft, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
-                          max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name)
-    server = TandemServer(lambda: load_engine(args), args.host, args.port, args.api_key, config)
+                          max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
+                          allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin))
+    server = TandemServer(lambda: load_engine(args), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C
         raise KeyboardInterrupt()

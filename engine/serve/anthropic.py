@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.serve.chat_format import GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options
+from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
+                                      str_list, tandem_options)
 
 
 def _blocks(content: Any, where: str) -> list[dict]:
@@ -37,7 +38,7 @@ def _block_text(content: Any, where: str, *, placeholder: bool = False) -> str:
     parts = []
     for block in _blocks(content, where):
         if block["type"] == "text":
-            parts.append(block.get("text") or "")
+            parts.append(opt_str(block.get("text"), f"{where}: a text block's 'text'"))
         elif placeholder:
             parts.append(f"[{block['type']} omitted: this model reads text only]")
         else:
@@ -77,7 +78,7 @@ def parse_messages(messages: Any, system: Any) -> list[dict]:
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                     raise RequestError(f"{at}: tool_use needs a 'name' and an object 'input'", param=at)
-                call_id = block.get("id") or f"toolu_{i}_{j}"
+                call_id = opt_str(block.get("id"), f"{at}.id") or f"toolu_{i}_{j}"
                 names[call_id] = block["name"]
                 calls.append({"id": call_id, "type": "function",
                               "function": {"name": block["name"], "arguments": block.get("input") or {}}})
@@ -85,7 +86,7 @@ def parse_messages(messages: Any, system: Any) -> list[dict]:
                 result = _block_text(block.get("content"), at, placeholder=True)
                 if block.get("is_error"):
                     result = f"Error: {result}"
-                tool_id = block.get("tool_use_id") or ""
+                tool_id = opt_str(block.get("tool_use_id"), f"{at}.tool_use_id")
                 msg = {"role": "tool", "content": result, "tool_call_id": tool_id}
                 if tool_id in names:
                     msg["name"] = names[tool_id]
@@ -145,7 +146,7 @@ def parse_request(body: dict, *, count_only: bool = False) -> GenSpec:
     if spec.top_p == 0:
         raise RequestError("'top_p' must be greater than 0", param="top_p")
     spec.top_k = opt_number(body, "top_k", lo=0, integer=True)
-    spec.seed = opt_number(body, "seed", integer=True)  # not in Anthropic's API; handy for tests
+    spec.seed = opt_number(body, "seed", lo=0, hi=SEED_MAX, integer=True)  # not in Anthropic's API; handy for tests
     spec.stop = str_list(body.get("stop_sequences"), "stop_sequences")
     spec.stream = opt_bool(body, "stream")
     thinking = body.get("thinking")

@@ -24,6 +24,7 @@ of a tag, so a tag split across stream chunks is still found.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -41,6 +42,9 @@ TOOLS_SYSTEM_PROMPT = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n"
     "</tool_call>"
 )
+
+
+SEED_MAX = 2**64 - 1  # the range of mx.random.key
 
 
 def new_id(prefix: str) -> str:
@@ -373,12 +377,18 @@ def opt_number(body: dict, key: str, *, lo: float | None = None, hi: float | Non
     if value is None:
         return None
     what = "an integer" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not (math.isfinite(value) and (value.is_integer() or not integer)))):
         raise RequestError(f"'{key}' must be {what}, got {json.dumps(value)[:40]}", param=key)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
-        raise RequestError(f"'{key}' must be {bounds}, got {value}", param=key)
-    return int(value) if integer else float(value)
+        raise RequestError(f"'{key}' must be {bounds}, got {str(value)[:40]}", param=key)
+    if integer:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range, with no upper bound to catch it
+        raise RequestError(f"'{key}' is out of range", param=key) from None
 
 
 def opt_bool(body: dict, key: str) -> bool:
@@ -387,6 +397,15 @@ def opt_bool(body: dict, key: str) -> bool:
         return False
     if not isinstance(value, bool):
         raise RequestError(f"'{key}' must be true or false", param=key)
+    return value
+
+
+def opt_str(value: Any, where: str, default: str = "") -> str:
+    """A string field that may be absent (None, then ``default``) but is never another type."""
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise RequestError(f"{where} must be a string, got {json.dumps(value)[:40]}", param=where)
     return value
 
 

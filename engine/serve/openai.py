@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.serve.chat_format import GenSpec, Reply, RequestError, opt_bool, opt_number, str_list, tandem_options
+from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
+                                      str_list, tandem_options)
 
 # Fields clients send that change nothing here when left at their defaults.
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "reasoning_effort": None}
@@ -83,11 +84,12 @@ def parse_messages(messages: Any) -> list[dict]:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise RequestError(f"{where}.tool_calls[{j}] needs a function with a name", param=f"{where}.tool_calls")
-                msg["tool_calls"].append({"id": call.get("id") or f"call_{i}_{j}", "type": "function",
+                call_id = opt_str(call.get("id"), f"{where}.tool_calls[{j}].id") or f"call_{i}_{j}"
+                msg["tool_calls"].append({"id": call_id, "type": "function",
                                           "function": {"name": fn["name"],
                                                        "arguments": _arguments(fn.get("arguments"), f"{where}.tool_calls[{j}]")}})
         if role == "tool":
-            msg["tool_call_id"] = m.get("tool_call_id") or ""
+            msg["tool_call_id"] = opt_str(m.get("tool_call_id"), f"{where}.tool_call_id")
             if isinstance(m.get("name"), str):
                 msg["name"] = m["name"]
         out.append(msg)
@@ -118,7 +120,8 @@ def parse_tools(tools: Any, tool_choice: Any) -> list[dict] | None:
                 "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": spec})
     if isinstance(tool_choice, dict):  # one named function: offer only that one
-        name = (tool_choice.get("function") or {}).get("name")
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         chosen = [t for t in out if t["function"]["name"] == name]
         if not chosen:
             raise RequestError(f"'tool_choice' names a function not in 'tools': {json.dumps(name)[:60]}", param="tool_choice")
@@ -136,7 +139,7 @@ def _common(body: dict, spec: GenSpec) -> GenSpec:
     if spec.top_p == 0:
         raise RequestError("'top_p' must be greater than 0", param="top_p")
     spec.top_k = opt_number(body, "top_k", lo=0, integer=True)
-    spec.seed = opt_number(body, "seed", integer=True)
+    spec.seed = opt_number(body, "seed", lo=0, hi=SEED_MAX, integer=True)
     spec.stop = str_list(body.get("stop"), "stop")
     spec.stream = opt_bool(body, "stream")
     opts = body.get("stream_options")

@@ -67,6 +67,10 @@ class Handler(RequestHandler):
         self._json(200, {"object": "list", "data": [entry], "has_more": False, "first_id": name, "last_id": name})
 
     def _events(self) -> None:
+        if self.command == "HEAD":  # the headers a GET would get, and no stream
+            self._start_sse()
+            self._sse_open = False
+            return
         hub = self.tandem.events
         q = hub.subscribe()
         try:

@@ -1,6 +1,6 @@
 """The local API server behind ``tandem serve``: OpenAI and Anthropic dialects on one port.
 
-    tandem serve [--model M] [--mode auto] [--port 8080] [--api-key KEY]
+    tandem serve [--model M] [--mode auto] [--port 8080] [--api-key-file PATH] [--allow-origin ORIGIN]
 
 Routes: POST /v1/chat/completions, /v1/completions (OpenAI), /v1/messages,
 /v1/messages/count_tokens (Anthropic); GET /v1/models, /health, /metrics (Prometheus text),
@@ -19,6 +19,8 @@ rendering and output parsing shared by both).
 * Bad JSON or a bad field: 400 with the dialect's error body. A prompt longer than the model's
   context (``max_position_embeddings`` from the config, or ``--max-context``): 400 naming both
   numbers; ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+* Web pages are refused (Host and Origin checks, ``engine.serve.http``): ``--allow-host`` and
+  ``--allow-origin`` open it up where wanted.
 * Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
   decoding in every mode); a request may pick its own mode and draft cap with the extension
   field ``"tandem": {"mode": "lookup", "max_draft": 8}``.
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.errors import TandemError
-from engine.serve.http import HTTPServer
+from engine.serve.http import Access, HTTPServer
 from engine.serve.metrics import EventHub, Metrics
 from engine.serve.routes import Handler
 from engine.serve.worker import EngineWorker
@@ -56,6 +58,8 @@ class ServerConfig:
     max_context: int | None = None  # None: read from the model's config
     keepalive_s: float = 10.0
     model_name: str | None = None  # None: the engine's name
+    allow_hosts: tuple[str, ...] = ()  # Host names answered besides localhost and the bound address
+    allow_origins: tuple[str, ...] = ()  # browser Origins served (with CORS headers); none by default
 
 
 def model_context(engine: Any) -> int | None:
@@ -94,6 +98,7 @@ class TandemServer:
             raise TandemError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
         self.httpd.tandem = self  # type: ignore[attr-defined]
         self.host, self.port = self.httpd.server_address[:2]
+        self.access = Access.for_bind(host, self.config.allow_hosts, self.config.allow_origins)
         self._thread: threading.Thread | None = None
 
     @property
