@@ -90,7 +90,8 @@ BODY = json.dumps(CHAT).encode()
     (["Transfer-Encoding: chunked", f"Content-Length: {len(BODY)}"], BODY, 400, False),
     (["Transfer-Encoding: chunked"], b"-1\r\n" + BODY, 400, False),  # a negative chunk size
     (["Transfer-Encoding: chunked"], b"7fffffff\r\n" + BODY, 413, False),  # one huge chunk: refused unread
-    (["Transfer-Encoding: chunked"], b"0" * 5000 + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), 400, False),  # long line
+    (["Transfer-Encoding: chunked"], b"0" * 5000 + b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY), 400,
+     False),  # a chunk-size line of any length
     (["Transfer-Encoding: chunked"], b"5\r\nabcdeXY0\r\n\r\n", 400, False),  # no CRLF after the chunk
     ([f"Content-Length: {len(BODY) + 50}"], BODY, 400, True),  # the client stopped short
 ])
@@ -229,12 +230,16 @@ def test_claude_cli_end_to_end_keeps_key_and_prompts_local(srv, tmp_path, monkey
     out = capfd.readouterr().out
     assert "export ANTHROPIC_AUTH_TOKEN=sk-local-key" in out and "unset CLAUDE_CODE_USE_BEDROCK" in out
 
-    # A settings file that selects a provider would override the environment: refused, naming the file.
+    # A settings file's env overrides the environment: one that routes elsewhere is refused, naming the file.
     (tmp_path / ".claude").mkdir()
-    (tmp_path / ".claude" / "settings.json").write_text(json.dumps({"env": {"CLAUDE_CODE_USE_VERTEX": "1"}}))
+    settings = tmp_path / ".claude" / "settings.json"
+    settings.write_text(json.dumps({"env": {"CLAUDE_CODE_USE_VERTEX": "1", "ANTHROPIC_BASE_URL": "https://gw.example",
+                                            "CLAUDE_CODE_USE_BEDROCK": "0", "ANTHROPIC_CUSTOM_HEADERS": "x: y"}}))
     assert main(args) == 1
     err = capfd.readouterr().err
-    assert "settings.json sets CLAUDE_CODE_USE_VERTEX" in err and "[]" not in err
+    assert "settings.json sets ANTHROPIC_BASE_URL, CLAUDE_CODE_USE_VERTEX in its" in err and "[]" not in err
+    settings.write_text(json.dumps({"env": {"ANTHROPIC_BASE_URL": f"http://127.0.0.1:{srv.port}/", "X": "1"}}))
+    assert main(args) == 0
 
 
 # -- 5. bad values, logs, HEAD ----------------------------------------------------------------------
@@ -440,9 +445,11 @@ def test_load_with_disconnects_and_oversized_requests(srv):
     """Clients at once: normal and streamed requests (all answered, and right), streams dropped
     halfway, oversized and malformed bodies; afterwards nothing is left queued or in flight."""
     prompts = [f"w{5 + i} w{30 + i} w{60 + i}" for i in range(4)]
-    ref = {p: json.loads(request(srv, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": p}],
-                                                                      "max_tokens": 6})[2])["choices"][0]["message"]["content"]
-           for p in prompts}
+    def answer(p: str) -> str:
+        body = {"messages": [{"role": "user", "content": p}], "max_tokens": 6}
+        return json.loads(request(srv, "POST", "/v1/chat/completions", body)[2])["choices"][0]["message"]["content"]
+
+    ref = {p: answer(p) for p in prompts}
     errors: list[str] = []
     answered = [0]
     lock = threading.Lock()
@@ -498,7 +505,8 @@ def test_load_with_disconnects_and_oversized_requests(srv):
     assert not errors, errors
     assert answered[0] == sum(1 for i in range(6) for j in range(6) if (i + j) % 5 != 2)
     deadline = time.monotonic() + 10
-    while (metric(srv, "tandem_requests_in_flight") or metric(srv, "tandem_queue_depth")) and time.monotonic() < deadline:
+    busy = lambda: metric(srv, "tandem_requests_in_flight") or metric(srv, "tandem_queue_depth")  # noqa: E731
+    while busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metric(srv, "tandem_requests_in_flight") == 0 and metric(srv, "tandem_queue_depth") == 0
     assert request(srv, "GET", "/health")[0] == 200

@@ -21,8 +21,9 @@ CLAUDE_CODE_SKIP_*_AUTH), the claude.ai login and key hand-offs (CLAUDE_CODE_OAU
 CLAUDE_CODE_API_KEY_FILE_DESCRIPTOR), other transports (ANTHROPIC_UNIX_SOCKET,
 CLAUDE_CODE_API_BASE_URL) and ANTHROPIC_CUSTOM_HEADERS (a gateway's credentials). For a local
 server the loopback names join NO_PROXY, so an HTTP(S)_PROXY does not relay the prompts. A
-Claude Code settings file whose ``env`` selects a provider would win over all this: then tandem
-refuses to start Claude Code and names the file. The key itself travels only in the child's
+Claude Code settings file whose ``env`` selects a provider, another transport or another
+ANTHROPIC_BASE_URL would win over all this (Claude Code applies it over its environment): then
+tandem refuses to start Claude Code and names the file. The key itself travels only in the child's
 environment (--api-key-file or $TANDEM_API_KEY keep it out of ps too).
 
 Claude Code's system prompt and tool list are long (tens of thousands of tokens); a model with a
@@ -54,8 +55,9 @@ PLACEHOLDER_TOKEN = "tandem-local"
 # Variables that send Claude Code's requests elsewhere than ANTHROPIC_BASE_URL (see the module doc).
 PROVIDER_PREFIXES = ("CLAUDE_CODE_USE_", "ANTHROPIC_BEDROCK_", "ANTHROPIC_VERTEX_", "ANTHROPIC_FOUNDRY_",
                      "ANTHROPIC_AWS_")
-PROVIDER_VARIABLES = frozenset({"AWS_BEARER_TOKEN_BEDROCK", "CLAUDE_CODE_OAUTH_TOKEN", "CLAUDE_CODE_API_KEY_FILE_DESCRIPTOR",
-                                "ANTHROPIC_UNIX_SOCKET", "CLAUDE_CODE_API_BASE_URL", "ANTHROPIC_CUSTOM_HEADERS"})
+PROVIDER_VARIABLES = frozenset({"AWS_BEARER_TOKEN_BEDROCK", "CLAUDE_CODE_OAUTH_TOKEN",
+                                "CLAUDE_CODE_API_KEY_FILE_DESCRIPTOR", "ANTHROPIC_UNIX_SOCKET",
+                                "CLAUDE_CODE_API_BASE_URL", "ANTHROPIC_CUSTOM_HEADERS"})
 LOCAL_FEATURES = frozenset({"CLAUDE_CODE_USE_NATIVE_FILE_SEARCH"})  # CLAUDE_CODE_USE_* that pick no provider
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -152,15 +154,29 @@ def settings_files(home: Path | None = None, cwd: Path | None = None) -> list[Pa
             managed / "managed-settings.json"]
 
 
-def check_settings(files: Iterable[Path]) -> None:
-    """Refuse when a settings file's ``env`` picks a provider: it would override the child's environment."""
+def routes_elsewhere(name: str, value: object, url: str) -> bool:
+    """A settings-file ``env`` entry that would send requests somewhere else than ``url``: a provider
+    switch, a transport override, or another ANTHROPIC_BASE_URL (credentials alone go nowhere)."""
+    name = name.upper()
+    if value in ("", "0", "false", None, False):
+        return False
+    if name == "ANTHROPIC_BASE_URL":
+        return str(value).rstrip("/") != url.rstrip("/")
+    return name in ("ANTHROPIC_UNIX_SOCKET", "CLAUDE_CODE_API_BASE_URL") or (
+        name.startswith("CLAUDE_CODE_USE_") and name not in LOCAL_FEATURES)
+
+
+def check_settings(files: Iterable[Path], url: str) -> None:
+    """Refuse when a settings file's ``env`` routes requests elsewhere: Claude Code applies it over
+    the environment it was started with."""
     for path in files:
         try:
             env = json.loads(path.read_text(encoding="utf-8")).get("env")
         except (OSError, ValueError, AttributeError):
             continue  # absent or unreadable: Claude Code would not apply it either
-        chosen = sorted(k for k, v in env.items() if is_provider_variable(k) and v not in ("", "0", "false", None, False)) \
-            if isinstance(env, dict) else []
+        if not isinstance(env, dict):
+            continue
+        chosen = sorted(k for k, v in env.items() if routes_elsewhere(k, v, url))
         if chosen:
             raise TandemError(f"{path} sets {', '.join(chosen)} in its \"env\": Claude Code would send your prompts "
                               "there instead of to the local server; remove it from that file to use tandem claude")
@@ -181,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     if exe is None:
         raise TandemError(f"'{args.claude}' is not on PATH: install Claude Code (npm install -g @anthropic-ai/claude-code) "
                           "or pass its path with --claude; 'tandem claude --print-env' prints the variables instead")
-    check_settings(settings_files())
+    check_settings(settings_files(), url)
     model = args.model or served_model(url, api_key)
     env = child_env(os.environ, url, model, api_key)
     rest = args.claude_args[1:] if args.claude_args[:1] == ["--"] else args.claude_args

@@ -34,7 +34,8 @@ def api_key_from(args: argparse.Namespace) -> str | None:
         try:
             lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
         except (OSError, UnicodeDecodeError) as e:
-            raise TandemError(f"cannot read --api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
+            reason = getattr(e, "strerror", None) or e
+            raise TandemError(f"cannot read --api-key-file {args.api_key_file}: {reason}") from None
         if len(lines) != 1 or not lines[0].strip():
             raise TandemError(f"--api-key-file {args.api_key_file} must hold the key on one line")
         return lines[0].strip()
@@ -49,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8080)
-    add_api_key_arguments(p, "require this key on every route but /health (Authorization: Bearer KEY or x-api-key: KEY)")
+    add_api_key_arguments(p, "require this key on every route but /health "
+                             "(Authorization: Bearer KEY or x-api-key: KEY)")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host is NAME (a reverse proxy's or a LAN name; '*': any). "
                         "Always answered: IP addresses, localhost, the --host name, and with --host 0.0.0.0 this "

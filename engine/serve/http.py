@@ -138,7 +138,8 @@ def _check_json(value: Any) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise RequestError("the request body has a string with an unpaired surrogate (\\ud800-\\udfff)") from None
+                raise RequestError("the request body has a string with an unpaired surrogate "
+                                   "(\\ud800-\\udfff)") from None
 
 
 def _no_constant(name: str) -> None:
