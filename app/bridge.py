@@ -23,6 +23,7 @@ class Bridge(QObject):
     generate_requested = Signal(int, object, object)  # (request id, prompt: str | messages, params dict)
     race_requested = Signal(int, object, object, object)  # (request id, prompt, modes list, params dict)
     calibrate_requested = Signal(int, object)  # (request id, calibrate() keyword overrides or None)
+    clear_cache_requested = Signal()  # forget cached prompt prefixes (a new or deleted chat)
 
     # -- replies: worker -> GUI ----------------------------------------------------------------
     device_info = Signal(object)  # {"backend", "device", "memory_bytes", "blas"}
@@ -106,6 +107,9 @@ class Bridge(QObject):
         self.race_requested.emit(rid, prompt, list(modes), dict(params))
         return rid
 
+    def clear_prefix_cache(self) -> None:
+        self.clear_cache_requested.emit()
+
     def calibrate(self, params: dict | None = None) -> int:
         rid = self.next_id()
         self.calibrate_requested.emit(rid, params)
@@ -133,6 +137,7 @@ class EngineHost(QObject):
         bridge.generate_requested.connect(self.worker.generate)
         bridge.race_requested.connect(self.worker.race)
         bridge.calibrate_requested.connect(self.worker.calibrate)
+        bridge.clear_cache_requested.connect(self.worker.clear_prefix_cache)
         # Runs in the worker thread just before it ends (MLX streams are thread-bound).
         self.thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
 

@@ -352,6 +352,22 @@ def list_models(cache_dir: Optional[str] = None, memory: Optional[int] = None, i
     return (builtin_entries(memory, rows, dense) if include_builtin else []) + cached + stores, warnings
 
 
+def entry_is_loaded(entry: ModelEntry, info: dict) -> bool:
+    """Is ``entry`` the model described by the worker's model info (its spec, name, source or path)?"""
+    if not info:
+        return False
+    names = {info.get("spec"), info.get("name")} - {None}
+    if entry.name in names or entry.spec in names or (entry.source == "built-in" and entry.display_name in names):
+        return True
+    if entry.source == "built-in" and info.get("spec") is None and (info.get("source") or "").startswith("builtin:"):
+        return entry.name == info["source"].split(":", 1)[1]  # None loads the starter model
+    source = info.get("source") or ""
+    if source.startswith("gguf:") and entry.path and entry.format == "GGUF":  # e.g. via an Ollama link
+        return os.path.realpath(entry.path) == source.split(":", 1)[1]
+    path = info.get("path") or ""
+    return bool(entry.repo_path and path.startswith(entry.repo_path))
+
+
 def _find_repo(repo_id: str, cache_dir: Optional[str]):
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound

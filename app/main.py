@@ -9,24 +9,24 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QFont, QGuiApplication
+from PySide6.QtCore import QCoreApplication, QEvent, Qt, QTimer
+from PySide6.QtGui import QAction, QActionGroup, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import QApplication, QLabel, QMainWindow, QProgressBar, QTabWidget
 
+from app import theme
 from app.bridge import Bridge, EngineHost
 from app.hub import human_bytes
+from app.settings import APPLICATION, ORGANISATION, AppSettings
 from app.views.chat import ChatView
 from app.views.models import ModelsView
 from app.views.race import RaceView
 from app.views.telemetry import TelemetryView
 
-APP_NAME = "Tandem"
-STYLE = Path(__file__).with_name("style.qss")
-ICONS = Path(__file__).with_name("icons")
+APP_NAME = APPLICATION
+FONT_STEP = 1.0
 
 
 def make_application(argv: Optional[Sequence[str]] = None) -> QApplication:
@@ -35,14 +35,8 @@ def make_application(argv: Optional[Sequence[str]] = None) -> QApplication:
         QGuiApplication.setHighDpiScaleFactorRoundingPolicy(Qt.HighDpiScaleFactorRoundingPolicy.PassThrough)
         app = QApplication(list(argv) if argv is not None else [sys.argv[0]])
     app.setApplicationName(APP_NAME)
-    app.setOrganizationName("Tandem")
+    app.setOrganizationName(ORGANISATION)
     app.setStyle("Fusion")
-    font = QFont(app.font())
-    font.setPointSizeF(max(font.pointSizeF(), 10.0))
-    app.setFont(font)
-    if STYLE.exists():
-        # url() in a stylesheet resolves against the working directory: make icon paths absolute.
-        app.setStyleSheet(STYLE.read_text().replace("@ICONS@", ICONS.as_posix()))
     return app
 
 
@@ -51,17 +45,20 @@ class MainWindow(QMainWindow):
     random engine); it runs in the worker thread. Call ``shutdown()`` before the window dies."""
 
     def __init__(self, *, model: Optional[str] = None, drafter: Optional[str] = None, engine_factory=None,
-                 cache_dir: Optional[str] = None, endpoint: Optional[str] = None, autoload: bool = True):
+                 cache_dir: Optional[str] = None, endpoint: Optional[str] = None, autoload: bool = True,
+                 settings: Optional[AppSettings] = None):
         super().__init__()
         self.setWindowTitle(APP_NAME)
         self.resize(1280, 820)
+        self.settings = settings or AppSettings()
+        self.apply_theme()
         self.bridge = Bridge(self)
         self.host = EngineHost(self.bridge, engine_factory)
         self._closed = False
 
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
-        self.chat = ChatView(self.bridge)
+        self.chat = ChatView(self.bridge, self.settings, cache_dir=cache_dir)
         self.models = ModelsView(self.bridge, cache_dir=cache_dir, endpoint=endpoint)
         self.race = RaceView(self.bridge)
         self.telemetry = TelemetryView(self.bridge)
@@ -91,10 +88,101 @@ class MainWindow(QMainWindow):
         b.model_loaded.connect(self._on_model)
         b.model_failed.connect(self._on_model_failed)
         b.busy_changed.connect(self.busy.setVisible)
+        self._build_menus()
+        hints = QGuiApplication.styleHints()
+        if hasattr(hints, "colorSchemeChanged"):  # follow the OS while the theme is "system"
+            hints.colorSchemeChanged.connect(lambda *_: self.settings.theme == "system" and self.apply_theme())
 
         self.host.start()
         if autoload:
             b.load(model, drafter)
+
+    # -- menus and appearance ----------------------------------------------------------------------
+    def _build_menus(self) -> None:
+        chat = self.chat
+
+        def action(menu, text: str, slot, keys=None, tip: str = "") -> QAction:
+            act = QAction(text, self)
+            if keys is not None:
+                act.setShortcuts(keys if isinstance(keys, list) else [QKeySequence(keys)])
+            if tip:
+                act.setStatusTip(tip)
+            act.triggered.connect(slot)
+            menu.addAction(act)
+            return act
+
+        bar = self.menuBar()
+        file_menu = bar.addMenu("&File")
+        self.new_chat_action = action(file_menu, "New chat", self._new_chat, QKeySequence.StandardKey.New)
+        file_menu.addSeparator()
+        action(file_menu, "Export chat as Markdown…", lambda: chat.export_conversation(fmt="markdown"), "Ctrl+E")
+        action(file_menu, "Export chat as JSON…", lambda: chat.export_conversation(fmt="json"), "Ctrl+Shift+E")
+        file_menu.addSeparator()
+        action(file_menu, "Quit", self.close, QKeySequence.StandardKey.Quit)
+
+        chat_menu = bar.addMenu("&Chat")
+        self.send_action = action(chat_menu, "Send", self._send, "Ctrl+Return")
+        self.stop_action = action(chat_menu, "Stop", chat.stop, "Ctrl+.")
+        self.regenerate_action = action(chat_menu, "Regenerate last answer", self._regenerate, "Ctrl+R")
+        chat_menu.addSeparator()
+        self.focus_action = action(chat_menu, "Focus the prompt", self._focus_prompt, "Ctrl+L")
+        action(chat_menu, "Show parameters", lambda: chat.show_parameters(not chat.panel.isVisible()), "Ctrl+Shift+P")
+        action(chat_menu, "Show chat list", lambda: chat.sidebar.setVisible(not chat.sidebar.isVisible()),
+               "Ctrl+Shift+L")
+
+        view_menu = bar.addMenu("&View")
+        theme_menu = view_menu.addMenu("Theme")
+        group = QActionGroup(self)
+        self.theme_actions: dict[str, QAction] = {}
+        for name, label in (("system", "Follow the system"), ("light", "Light"), ("dark", "Dark")):
+            act = QAction(label, self, checkable=True)
+            act.setChecked(self.settings.theme == name)
+            act.triggered.connect(lambda checked=False, n=name: self.set_theme(n))
+            group.addAction(act)
+            theme_menu.addAction(act)
+            self.theme_actions[name] = act
+        view_menu.addSeparator()
+        action(view_menu, "Larger text", lambda: self.set_font_size(self._font_pt() + FONT_STEP),
+               [QKeySequence(QKeySequence.StandardKey.ZoomIn), QKeySequence("Ctrl+=")])
+        action(view_menu, "Smaller text", lambda: self.set_font_size(self._font_pt() - FONT_STEP),
+               QKeySequence.StandardKey.ZoomOut)
+        action(view_menu, "Default text size", lambda: self.set_font_size(0), "Ctrl+0")
+
+    def _new_chat(self) -> None:
+        self.tabs.setCurrentWidget(self.chat)
+        self.chat.new_chat()
+
+    def _send(self) -> None:
+        self.tabs.setCurrentWidget(self.chat)
+        self.chat.send()
+
+    def _regenerate(self) -> None:
+        self.tabs.setCurrentWidget(self.chat)
+        self.chat.regenerate()
+
+    def _focus_prompt(self) -> None:
+        self.tabs.setCurrentWidget(self.chat)
+        self.chat.focus_prompt()
+
+    def _font_pt(self) -> float:
+        return self.settings.font_size or theme.default_font_pt()
+
+    def apply_theme(self) -> str:
+        name = theme.apply(QApplication.instance(), self.settings.theme, self.settings.font_size)
+        if hasattr(self, "chat"):
+            self.chat.refresh_theme()
+        return name
+
+    def set_theme(self, choice: str) -> None:
+        self.settings.theme = choice
+        if choice in getattr(self, "theme_actions", {}):
+            self.theme_actions[choice].setChecked(True)
+        self.apply_theme()
+
+    def set_font_size(self, points: float) -> None:
+        """Points; 0 = the platform's default."""
+        self.settings.font_size = 0 if not points else min(max(points, theme.MIN_FONT_PT), theme.MAX_FONT_PT)
+        self.apply_theme()
 
     # -- status bar ------------------------------------------------------------------------------
     def _on_device(self, info: dict) -> None:
@@ -123,6 +211,10 @@ class MainWindow(QMainWindow):
         self.race.shutdown()
         self.models.shutdown()
         self.host.stop()
+        # the stopped answer's reply is queued for the chat: deliver it so it is saved
+        QCoreApplication.sendPostedEvents(self.chat, QEvent.Type.MetaCall)
+        self.chat.shutdown()
+        self.settings.sync()
 
     def closeEvent(self, event) -> None:
         self.hide()  # the window goes at once; the worker winds down behind it

@@ -69,7 +69,9 @@ class EngineWorker(QObject):
             _report(err)
             b.model_failed.emit(f"could not load {label}: {_one_line(err)}")
         else:
-            self.engine = eng
+            previous, self.engine = self.engine, eng
+            if previous is not None:
+                _clear_prefix_cache(previous)  # its cached prefixes would outlive it otherwise
             b.telemetry.set_model(info)
             b.model_loaded.emit(info)
             # after any request already queued (a chat sent while loading goes first)
@@ -113,6 +115,7 @@ class EngineWorker(QObject):
             "layers": eng.target.num_layers, "vocab": eng.target.vocab_size,
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
             "can_rollback": bool(eng.target.can_rollback),
+            "mode_support": _mode_support(eng),
         }
 
     def _after_load(self, eng, info: dict) -> None:
@@ -149,6 +152,11 @@ class EngineWorker(QObject):
         """The drafter whose curves matter: the one --mode auto would use (lookup at least)."""
         mode = eng.resolve_mode("auto")
         return "lookup" if mode == "baseline" else mode
+
+    @Slot()
+    def clear_prefix_cache(self) -> None:
+        if self.engine is not None:
+            _clear_prefix_cache(self.engine)
 
     # -- generation --------------------------------------------------------------------------
     def _prompt_for(self, prompt: Any) -> tuple[Any, bool]:
@@ -209,6 +217,7 @@ class EngineWorker(QObject):
         out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
                    sources=token_sources(made_by)[: len(r.token_ids)],
                    ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
+                   cached_tokens=int(getattr(r, "cached_tokens", 0) or 0), model=eng.name,
                    temperature=float(params.get("temperature") or 0.0))
         if r.generated > 1 and r.finish_reason != "cancelled":
             tel.push_point({"mode": r.mode, "tps": r.decode_tps, "context": r.prompt_tokens + r.generated / 2,
@@ -378,6 +387,27 @@ class _Cancelled(Exception):
 
 
 # -- helpers (run in the worker thread) ----------------------------------------------------------
+def _clear_prefix_cache(eng) -> None:
+    clear = getattr(eng, "clear_prefix_cache", None)  # engines before the prefix cache have none
+    if clear is not None:
+        try:
+            clear()
+        except Exception as err:
+            _report(err)
+
+
+def _mode_support(eng) -> Optional[dict]:
+    """{mode: None (runs) or why it cannot}, when the engine can tell; None = unknown."""
+    support = getattr(eng, "mode_support", None)
+    if support is None:
+        return None
+    try:
+        return {str(mode): (None if why is None else str(why)) for mode, why in support().items()}
+    except Exception as err:
+        _report(err)
+        return None
+
+
 def _dominant_dtype(flat) -> str:
     sizes: dict[str, int] = {}
     for _, v in flat:

@@ -14,6 +14,12 @@ import pytest  # noqa: E402
 from tests.tiny import make_tiny_engine, make_tiny_model, make_tokenizer  # noqa: E402,F401
 
 
+@pytest.fixture(autouse=True)
+def _app_data(tmp_path_factory, monkeypatch):
+    """The app's settings and chat history go to a fresh folder per test, never the user's."""
+    monkeypatch.setenv("TANDEM_APP_DATA", str(tmp_path_factory.mktemp("appdata")))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return make_tiny_engine("llama", seed=0)

@@ -11,7 +11,7 @@ import pytest
 
 from app.bridge import Bridge
 from app.main import MainWindow
-from app.views.chat import Bubble
+from app.views.chat_widgets import MessageWidget
 from app.worker import EngineWorker
 from engine.errors import TandemError
 from engine.generate import Engine
@@ -69,7 +69,7 @@ def test_chat_streams_tokens_from_the_worker(win, qtbot):
     assert result["tokens"] == 24 and result["finish_reason"] == "length"
     assert len(chunks) >= 10  # streamed round by round, not in one piece
     assert "".join(chunks) == result["text"]
-    bubbles = [b for b in win.chat.findChildren(Bubble) if b.role == "assistant"]
+    bubbles = [b for b in win.chat.findChildren(MessageWidget) if b.role == "assistant"]
     assert bubbles[-1].content == result["text"] and "tok/s" in bubbles[-1].footer.text()
     assert [m["role"] for m in win.chat.messages] == ["user", "assistant"]
     assert not win.chat.generating and win.chat.send_button.text() == "Send"

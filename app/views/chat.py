@@ -1,108 +1,135 @@
-"""Chat tab: a multi-turn conversation streamed from the engine worker."""
+"""Chat tab: saved conversations (sidebar), a transcript rendered as Markdown while it streams, and
+per-chat system prompt, sampling and mode; regenerate, edit-and-continue, stop; a model switch.
+
+The whole history goes to the worker as chat messages on every turn (the engine's prefix cache
+reuses what it has seen). A turn is written to the history file only when its answer ends, in
+one transaction that also drops any turns an edit or a regenerate replaces (app/conversations.py).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QProgressBar,
-                               QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtCore import QPoint, Qt, QTimer, Signal
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QMenu, QMessageBox, QProgressBar,
+                               QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
+from app import conversations as history
+from app import hub
 from app.bridge import Bridge
-from app.views.common import MODE_HELP, MODES, hbox, plain_label, set_tone, spin, turn_stats
+from app.conversations import Conversation, ConversationStore, Message
+from app.settings import AppSettings, history_path, sampling_settings
+from app.views.chat_widgets import ConversationList, MessageWidget, ModelCombo, ParametersPanel, PromptEdit
+from app.views.common import MODE_HELP, MODES, hbox, plain_label, set_tone, turn_stats
+from engine.errors import TandemError
 
 WELCOME = ("Ask anything. Replies stream from the local model. Pick a decoding mode above: at temperature 0 "
            "every mode gives the same text, only faster.")
+RENDER_MS = 60  # a streaming answer re-renders at most this often
+FOLLOW_SLACK = 40  # px from the bottom that still counts as "at the bottom"
+STAT_KEYS = ("tokens", "prompt_tokens", "cached_tokens", "decode_tps", "ttft_s", "mean_accepted", "mode", "cap",
+             "finish_reason", "model", "temperature")
 
 
-class Bubble(QFrame):
-    """One turn: the text, and (assistant) a stats footer."""
+@dataclass
+class Turn:
+    """The answer in flight: which conversation it belongs to and where its user message goes."""
 
-    def __init__(self, role: str, text: str = ""):
-        super().__init__()
-        self.role = role
-        self.setObjectName("bubbleUser" if role == "user" else "bubbleAssistant")
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(14, 10, 14, 10)
-        lay.setSpacing(4)
-        who = QLabel("You" if role == "user" else "Assistant")
-        who.setObjectName("bubbleRole")
-        lay.addWidget(who)
-        self.text = plain_label(text, "bubbleText")
-        self.text.setTextInteractionFlags(Qt.TextSelectableByMouse)
-        lay.addWidget(self.text)
-        self.footer = plain_label("", "bubbleFooter")
-        self.footer.hide()
-        lay.addWidget(self.footer)
-        self.content = text
-
-    def append(self, text: str) -> None:
-        self.content += text
-        self.text.setText(self.content)
-
-    def set_footer(self, text: str, tone: str = "") -> None:
-        self.footer.setText(text)
-        set_tone(self.footer, tone)
-        self.footer.show()
-
-
-class PromptEdit(QPlainTextEdit):
-    """Enter sends, Shift+Enter adds a line."""
-
-    def __init__(self, on_send):
-        super().__init__()
-        self._on_send = on_send
-
-    def keyPressEvent(self, event: QKeyEvent) -> None:
-        if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:
-            self._on_send()
-            return
-        super().keyPressEvent(event)
+    rid: int
+    conv: Conversation
+    position: int
+    user: Message
+    bubble: MessageWidget
+    text: str = ""
 
 
 class ChatView(QWidget):
-    def __init__(self, bridge: Bridge, parent: Optional[QWidget] = None):
+    conversation_changed = Signal()  # another chat is shown (or its title changed)
+
+    def __init__(self, bridge: Bridge, settings: Optional[AppSettings] = None,
+                 store: Optional[ConversationStore] = None, cache_dir: Optional[str] = None,
+                 parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.bridge = bridge
-        self.messages: list[dict] = []
-        self.request_id: Optional[int] = None
-        self.current: Optional[Bubble] = None
+        self.settings = settings or AppSettings()
+        self.cache_dir = cache_dir
+        self.history_error = ""
+        self.store = store or self._open_store()
+        self.conv = self._new_conversation()
+        self.bubbles: list[MessageWidget] = []
+        self.turn: Optional[Turn] = None
         self.model_ready = False
         self.last_result: Optional[dict] = None
+        self._deleted: set[int] = set()
+        self._follow = True
+        self._model_entries: list[hub.ModelEntry] = []
+        # Asked before deleting / for an export path; tests replace them (dialogs would block).
+        self.confirm: Callable[[str, str], bool] = self._ask
+        self.ask_save_path: Callable[[str, str, str], Optional[str]] = self._ask_path
 
-        root = QVBoxLayout(self)
-        root.setContentsMargins(20, 16, 20, 16)
-        root.setSpacing(12)
+        outer = QHBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.setSpacing(0)
+        self.sidebar = ConversationList()
+        self.sidebar.setFixedWidth(250)
+        self.sidebar.new_button.clicked.connect(self.new_chat)
+        self.sidebar.search.textChanged.connect(lambda _: self.refresh_list())
+        self.sidebar.open_requested.connect(self.open_conversation)
+        self.sidebar.renamed.connect(self.rename_conversation)
+        self.sidebar.list.customContextMenuRequested.connect(self._list_menu)
+        outer.addWidget(self.sidebar)
 
-        # settings row
+        main = QWidget()
+        root = QVBoxLayout(main)
+        root.setContentsMargins(20, 12, 20, 14)
+        root.setSpacing(10)
+        outer.addWidget(main, 1)
+        self.panel = ParametersPanel()
+        self.panel.changed.connect(self._on_params_changed)
+        self.panel.save_defaults.connect(self.save_defaults)
+        self.panel.reset_defaults.connect(self.reset_to_defaults)
+        self.panel.setVisible(self.settings.show_parameters)
+        outer.addWidget(self.panel)
+        # the panel's fields, by their old names (tests and scripts set them directly)
+        self.temperature, self.top_p, self.top_k = self.panel.temperature, self.panel.top_p, self.panel.top_k
+        self.max_tokens, self.seed, self.system_prompt = self.panel.max_tokens, self.panel.seed, self.panel.system_prompt
+
+        # header: title, model, drafter, mode, parameters
+        self.title = QLabel()
+        self.title.setObjectName("chatTitle")
+        self.title.setTextFormat(Qt.PlainText)
+        self.model_box = ModelCombo()
+        self.model_box.setObjectName("modelPicker")
+        self.model_box.setMinimumWidth(200)
+        self.model_box.setToolTip("The model that answers; switching keeps this chat")
+        self.model_box.about_to_open.connect(self.refresh_models)
+        self.model_box.activated.connect(self._on_model_chosen)
+        self.drafter_label = plain_label("", "hint", wrap=False)
+        self.load_bar = QProgressBar()
+        self.load_bar.setRange(0, 0)
+        self.load_bar.setFixedSize(70, 8)
+        self.load_bar.setTextVisible(False)
+        self.load_bar.hide()
         self.mode = QComboBox()
         self.mode.addItems(MODES)
         for i, m in enumerate(MODES):
             self.mode.setItemData(i, MODE_HELP[m], Qt.ToolTipRole)
-        self.temperature = spin(QDoubleSpinBox, 0.0, 2.0, 0.0, 0.1)
-        self.temperature.setToolTip("0 = greedy (lossless: identical text in every mode)")
-        self.top_p = spin(QDoubleSpinBox, 0.01, 1.0, 1.0, 0.05)
-        self.top_k = spin(QSpinBox, 0, 1000, 0, 1)
-        self.top_k.setToolTip("0 = off")
-        self.max_tokens = spin(QSpinBox, 1, 8192, 256, 64)
-        self.new_chat = QPushButton("New chat")
-        self.new_chat.setObjectName("secondary")
-        self.new_chat.clicked.connect(self.clear)
-        row = QHBoxLayout()
-        row.setSpacing(6)
-        for text, w in (("Mode", self.mode), ("Temperature", self.temperature), ("Top-p", self.top_p),
-                        ("Top-k", self.top_k), ("Max tokens", self.max_tokens)):
-            lab = QLabel(text)
-            lab.setObjectName("fieldLabel")
-            row.addWidget(lab)
-            row.addWidget(w)
-            row.addSpacing(10)
-        row.addStretch(1)
-        row.addWidget(self.new_chat)
-        root.addLayout(row)
+        self.mode.setToolTip("Decoding mode for this chat")
+        self.mode.currentTextChanged.connect(self._on_mode_changed)
+        self.params_button = QPushButton("Parameters")
+        self.params_button.setObjectName("secondary")
+        self.params_button.setCheckable(True)
+        self.params_button.setChecked(self.panel.isVisible())
+        self.params_button.setToolTip("System prompt and sampling for this chat")
+        self.params_button.toggled.connect(self.show_parameters)
+        mode_label = plain_label("Mode", "fieldLabel", wrap=False)
+        root.addLayout(hbox((self.title, 1), self.load_bar, self.model_box, self.drafter_label, mode_label, self.mode,
+                            self.params_button))
 
-        # loading banner
+        # banner: loading / failed load
         self.banner = QFrame()
         self.banner.setObjectName("banner")
         self.banner_text = plain_label("Loading the starter model…", "bannerText")
@@ -110,7 +137,7 @@ class ChatView(QWidget):
         self.banner_bar.setRange(0, 0)
         self.banner_bar.setFixedWidth(160)
         self.banner_bar.setTextVisible(False)
-        self.banner.setLayout(hbox(self.banner_text, None, self.banner_bar, margins=(14, 8, 14, 8)))
+        self.banner.setLayout(hbox((self.banner_text, 1), self.banner_bar, margins=(14, 8, 14, 8)))
         root.addWidget(self.banner)
 
         # transcript
@@ -128,9 +155,12 @@ class ChatView(QWidget):
         self.column.addWidget(self.welcome)
         self.column.addStretch(1)
         self.scroll.setWidget(holder)
+        bar = self.scroll.verticalScrollBar()
+        bar.valueChanged.connect(self._on_scrolled)
+        bar.rangeChanged.connect(self._on_range)
         root.addWidget(self.scroll, 1)
 
-        # input row
+        # input
         self.input = PromptEdit(self.send)
         self.input.setObjectName("prompt")
         self.input.setPlaceholderText("Message the model  (Enter to send, Shift+Enter for a new line)")
@@ -143,33 +173,84 @@ class ChatView(QWidget):
         root.addLayout(hbox(self.input, self.send_button, spacing=10))
         root.addWidget(self.status)
 
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(RENDER_MS)
+        self._render_timer.timeout.connect(self._render_stream)
+
         b = bridge
         b.model_loading.connect(self._on_loading)
         b.model_loaded.connect(self._on_loaded)
         b.model_failed.connect(self._on_load_failed)
+        b.registry_rows.connect(lambda rows: self.refresh_models())
         b.gen_started.connect(self._on_started)
         b.gen_text.connect(self._on_text)
         b.gen_finished.connect(self._on_finished)
         b.gen_failed.connect(self._on_failed)
+
+        self.refresh_models()
+        last = self.settings.last_conversation
+        restored = self.store.load(last) if last is not None else None
+        self._show(restored or self.conv)
+        self.refresh_list()
         self._update_button()
 
-    # -- state ---------------------------------------------------------------------------------
+    # -- the history file ------------------------------------------------------------------------
+    def _open_store(self) -> ConversationStore:
+        """The history file, or (unreadable) an in-memory store and a note: the chat still works."""
+        path = history_path()
+        try:
+            return ConversationStore(path)
+        except TandemError as err:
+            self.history_error = f"{err}; chats are kept only until you quit"
+            return ConversationStore(":memory:")
+
+    def _store_failed(self, err: Exception) -> None:
+        self.history_error = f"could not save to the chat history: {err}"
+        self.status.setText(self.history_error)
+        set_tone(self.status, "bad")
+
+    def _new_conversation(self) -> Conversation:
+        return Conversation(None, settings=self.settings.sampling_defaults())
+
+    # -- state -----------------------------------------------------------------------------------
     @property
     def generating(self) -> bool:
-        return self.request_id is not None
+        return self.turn is not None
+
+    @property
+    def request_id(self) -> Optional[int]:
+        return self.turn.rid if self.turn else None
+
+    @property
+    def messages(self) -> list[dict]:
+        """The shown conversation's turns as chat messages (no system prompt)."""
+        return [{"role": m.role, "content": m.content} for m in self.conv.messages]
 
     def params(self) -> dict:
-        return {"mode": self.mode.currentText(), "temperature": self.temperature.value(), "top_p": self.top_p.value(),
-                "top_k": self.top_k.value(), "max_new_tokens": self.max_tokens.value()}
+        s = sampling_settings(self.conv.settings)
+        return {"mode": s["mode"], "temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
+                "max_new_tokens": s["max_tokens"], "seed": None if s["seed"] < 0 else s["seed"]}
+
+    def _can_send(self) -> bool:
+        # while another model loads, a message waits in the worker's queue and the current one stays usable
+        return self.model_ready or bool(self.bridge.model_info)
 
     def _update_button(self) -> None:
         self.send_button.setText("Stop" if self.generating else "Send")
         self.send_button.setObjectName("danger" if self.generating else "primary")
         self.send_button.style().unpolish(self.send_button)
         self.send_button.style().polish(self.send_button)
-        self.send_button.setEnabled(self.generating or self.model_ready)
+        self.send_button.setEnabled(self.generating or self._can_send())
+        self._update_actions()
 
-    # -- actions -------------------------------------------------------------------------------
+    def _update_actions(self) -> None:
+        last = len(self.bubbles) - 1
+        for i, bubble in enumerate(self.bubbles):
+            bubble.regen_button.setVisible(i == last and bubble.role == "assistant" and not self.generating)
+            bubble.set_actions_enabled(not self.generating)
+
+    # -- sending, regenerating, editing ---------------------------------------------------------
     def _send_or_stop(self) -> None:
         if self.generating:
             self.stop()
@@ -181,54 +262,332 @@ class ChatView(QWidget):
         if not text or self.generating:
             return None
         self.input.clear()
+        return self._ask_model(len(self.conv.messages), text)
+
+    def regenerate(self) -> Optional[int]:
+        """Answer the last user message again (its old answer is replaced when the new one ends)."""
+        users = [i for i, m in enumerate(self.conv.messages) if m.role == "user"]
+        if self.generating or not users:
+            return None
+        return self._ask_model(users[-1], self.conv.messages[users[-1]].content)
+
+    def edit_message(self, index: int, text: str) -> Optional[int]:
+        """Replace user message ``index`` and answer from there (later turns go when the answer ends)."""
+        text = text.strip()
+        if self.generating or not text or not (0 <= index < len(self.conv.messages)) \
+                or self.conv.messages[index].role != "user":
+            return None
+        return self._ask_model(index, text)
+
+    def _ask_model(self, position: int, text: str) -> int:
+        self.panel.flush()
+        user = Message("user", text)
+        self._drop_bubbles_from(position)
         self.welcome.hide()
-        self.messages.append({"role": "user", "content": text})
-        self._add_bubble(Bubble("user", text))
-        self.current = Bubble("assistant")
-        self.current.set_footer("waiting for the model…" if not self.model_ready else "thinking…", "muted")
-        self._add_bubble(self.current)
-        self.request_id = self.bridge.generate([dict(m) for m in self.messages], self.params())
+        self._add_bubble(MessageWidget("user", text))
+        bubble = MessageWidget("assistant")
+        bubble.set_footer("waiting for the model…" if not self.model_ready else "thinking…", "muted")
+        self._add_bubble(bubble)
+        self._follow = True
+        prompt = self.conv.chat_messages(position) + [{"role": "user", "content": text}]
+        rid = self.bridge.generate(prompt, self.params())
+        self.turn = Turn(rid, self.conv, position, user, bubble)
         self.status.setText("")
+        set_tone(self.status, "")
         self._update_button()
-        return self.request_id
+        QTimer.singleShot(0, self._scroll_to_end)
+        return rid
 
     def stop(self) -> None:
-        if self.request_id is not None:
-            self.bridge.cancel(self.request_id)
+        if self.turn is not None:
+            self.bridge.cancel(self.turn.rid)
             self.status.setText("stopping after this round…")
+            set_tone(self.status, "")
 
-    def clear(self) -> None:
+    # -- conversations ---------------------------------------------------------------------------
+    def new_chat(self) -> None:
+        self.stop()  # an answer in flight still lands in its own chat
+        self._show(self._new_conversation())
+        self.bridge.clear_prefix_cache()
+        self.refresh_list()
+        self.focus_prompt()
+
+    def open_conversation(self, conversation_id: int) -> bool:
+        if self.conv.id == conversation_id:
+            return True
+        streaming = self.turn.conv if self.turn is not None and self.turn.conv.id == conversation_id else None
+        conv = streaming or self.store.load(conversation_id)
+        if conv is None:
+            self.refresh_list()
+            return False
         self.stop()
-        self.request_id = None
-        self.messages.clear()
-        self.current = None
-        while self.column.count() > 2:  # keep the welcome label and the stretch
-            item = self.column.takeAt(1)
-            if item.widget():
-                item.widget().deleteLater()
-        self.welcome.show()
-        self._update_button()
+        self._show(conv)
+        self.refresh_list()
+        return True
 
-    def _add_bubble(self, bubble: Bubble) -> None:
-        self.column.insertWidget(self.column.count() - 1, bubble)
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        title = " ".join(title.split())
+        if not title:
+            self.refresh_list()
+            return
+        try:
+            self.store.rename(conversation_id, title)
+        except sqlite3.Error as err:
+            self._store_failed(err)
+        if self.conv.id == conversation_id:
+            self.conv.title = title
+            self._show_title()
+        self.refresh_list()
+
+    def delete_conversation(self, conversation_id: int) -> bool:
+        conv = self.store.load(conversation_id)
+        if conv is None or not self.confirm("Delete chat", f"Delete “{conv.display_title}” and its "
+                                                           f"{len(conv.messages)} messages? This cannot be undone."):
+            return False
+        if self.turn is not None and self.turn.conv.id == conversation_id:
+            self.stop()
+        self._deleted.add(conversation_id)
+        try:
+            self.store.delete(conversation_id)
+        except sqlite3.Error as err:
+            self._store_failed(err)
+            return False
+        self.bridge.clear_prefix_cache()
+        if self.conv.id == conversation_id:
+            rest = self.store.list()
+            self._show(self.store.load(rest[0].id) if rest else self._new_conversation())
+        self.refresh_list()
+        return True
+
+    def export_conversation(self, conversation_id: Optional[int] = None, path: Optional[str] = None,
+                            fmt: str = "markdown") -> Optional[Path]:
+        """Write a chat (the shown one by default) as Markdown or JSON; asks for a path if none."""
+        conv = self.conv if conversation_id in (None, self.conv.id) else self.store.load(conversation_id)
+        if conv is None:
+            return None
+        ext = "json" if fmt == "json" else "md"
+        if path is None:
+            stem = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.display_title).strip() or "chat"
+            path = self.ask_save_path(f"Export chat as {'JSON' if ext == 'json' else 'Markdown'}", f"{stem}.{ext}",
+                                      "JSON (*.json)" if ext == "json" else "Markdown (*.md)")
+            if not path:
+                return None
+        text = history.to_json(conv) if ext == "json" else history.to_markdown(conv)
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as err:
+            self.status.setText(f"could not export to {path}: {err.strerror or err}")
+            set_tone(self.status, "bad")
+            return None
+        self.status.setText(f"exported to {path}")
+        set_tone(self.status, "muted")
+        return Path(path)
+
+    def refresh_list(self) -> None:
+        query = self.sidebar.search.text()
+        self.sidebar.fill(self.store.list(query), self.conv.id, query)
+
+    def _list_menu(self, pos: QPoint) -> None:
+        item = self.sidebar.list.itemAt(pos)
+        if item is None:
+            return
+        cid = item.data(Qt.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename", lambda: self.sidebar.list.editItem(item))
+        menu.addAction("Export as Markdown…", lambda: self.export_conversation(cid, fmt="markdown"))
+        menu.addAction("Export as JSON…", lambda: self.export_conversation(cid, fmt="json"))
+        menu.addSeparator()
+        menu.addAction("Delete…", lambda: self.delete_conversation(cid))
+        menu.exec(self.sidebar.list.mapToGlobal(pos))
+
+    def _show(self, conv: Conversation) -> None:
+        self.conv = conv
+        self._drop_bubbles_from(0)
+        for m in conv.messages:
+            bubble = MessageWidget(m.role, m.content)
+            if m.role == "assistant" and m.stats:
+                bubble.set_footer(turn_stats(m.stats), "muted")
+            self._add_bubble(bubble)
+        if self.turn is not None and self.turn.conv is conv:  # back to the chat whose answer is streaming
+            self._drop_bubbles_from(self.turn.position)
+            self._add_bubble(MessageWidget("user", self.turn.user.content))
+            self.turn.bubble = MessageWidget("assistant", self.turn.text)
+            self._add_bubble(self.turn.bubble)
+        self.welcome.setVisible(not self.bubbles)
+        self.panel.show_conversation(conv)
+        mode = sampling_settings(conv.settings)["mode"]
+        self.mode.blockSignals(True)
+        self.mode.setCurrentText(mode if self.mode.findText(mode) >= 0 else "auto")
+        self.mode.blockSignals(False)
+        self._show_title()
+        if conv.id is not None:
+            self.settings.last_conversation = conv.id
+        self._follow = True
+        self._update_actions()
         QTimer.singleShot(0, self._scroll_to_end)
+        self.conversation_changed.emit()
+
+    def _show_title(self) -> None:
+        self.title.setText(self.conv.display_title)
+        self.title.setToolTip(self.conv.display_title)
+
+    # -- per-chat settings -------------------------------------------------------------------------
+    def _on_params_changed(self) -> None:
+        self.conv.settings = dict(sampling_settings(self.conv.settings), **self.panel.values())
+        self.conv.system_prompt = self.panel.system_prompt.toPlainText()
+        self._save_settings()
+
+    def _on_mode_changed(self, mode: str) -> None:
+        self.conv.settings = dict(sampling_settings(self.conv.settings), mode=mode)
+        self._save_settings()
+
+    def _save_settings(self) -> None:
+        if self.conv.id is not None:
+            try:
+                self.store.update(self.conv.id, system_prompt=self.conv.system_prompt, settings=self.conv.settings)
+            except sqlite3.Error as err:
+                self._store_failed(err)
+
+    def save_defaults(self) -> None:
+        self.panel.flush()
+        self.settings.set_sampling_defaults(self.conv.settings)
+        self.panel.note.setText("new chats will start with these settings")
+
+    def reset_to_defaults(self) -> None:
+        self.conv.settings = self.settings.sampling_defaults()
+        self._save_settings()
+        self._show(self.conv)
+        self.panel.note.setText("back to the saved defaults")
+
+    def show_parameters(self, visible: bool) -> None:
+        self.panel.setVisible(visible)
+        self.params_button.setChecked(visible)
+        self.settings.show_parameters = visible
+
+    def focus_prompt(self) -> None:
+        self.input.setFocus()
+
+    # -- transcript ----------------------------------------------------------------------------------
+    def _add_bubble(self, bubble: MessageWidget) -> None:
+        self.bubbles.append(bubble)
+        self.column.insertWidget(self.column.count() - 1, bubble)
+        if bubble.role == "user":
+            bubble.edit_submitted.connect(lambda text, b=bubble: self._edit_bubble(b, text))
+        else:
+            bubble.regenerate_requested.connect(self.regenerate)
+
+    def _edit_bubble(self, bubble: MessageWidget, text: str) -> None:
+        if bubble in self.bubbles:
+            self.edit_message(self.bubbles.index(bubble), text)
+
+    def _drop_bubbles_from(self, index: int) -> None:
+        for bubble in self.bubbles[index:]:
+            self.column.removeWidget(bubble)
+            bubble.hide()
+            bubble.deleteLater()
+        del self.bubbles[index:]
+
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.scroll.verticalScrollBar()
+        self._follow = value >= bar.maximum() - FOLLOW_SLACK
+
+    def _on_range(self, lo: int, hi: int) -> None:
+        if self._follow:  # keep to the end while the answer grows, unless the user scrolled up
+            self.scroll.verticalScrollBar().setValue(hi)
 
     def _scroll_to_end(self) -> None:
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
 
+    def refresh_theme(self) -> None:
+        for bubble in self.bubbles:
+            bubble.render()
+
+    # -- model ---------------------------------------------------------------------------------------
+    def refresh_models(self) -> None:
+        """The targets that can be loaded (built-in and cached), the loaded one selected."""
+        try:
+            entries, _ = hub.list_models(self.cache_dir, rows=self.bridge.pairs)
+        except Exception:  # an unreadable cache: the built-in models still show
+            entries = hub.builtin_entries(rows=self.bridge.pairs)
+        self._model_entries = entries
+        targets = [e for e in entries if e.kind == "target" and e.installed and e.complete]
+        info = self.bridge.model_info
+        box = self.model_box
+        box.blockSignals(True)
+        box.clear()
+        current = -1
+        for e in targets:
+            box.addItem(e.display_name or e.name, e.name)
+            box.setItemData(box.count() - 1, f"{e.name} · {e.size_str}" + (f" · drafter {e.pair}" if e.pair else ""),
+                            Qt.ToolTipRole)
+            if current < 0 and hub.entry_is_loaded(e, info):
+                current = box.count() - 1
+        if current < 0 and info:  # loaded from elsewhere (a path, a download in progress...)
+            box.insertItem(0, info.get("name", "?"), info.get("spec"))
+            current = 0
+        if current < 0 and not info:
+            box.insertItem(0, "no model", None)
+            current = 0
+        box.setCurrentIndex(current)
+        box.blockSignals(False)
+
+    def _on_model_chosen(self, index: int) -> None:
+        name = self.model_box.itemData(index)
+        entry = next((e for e in self._model_entries if e.name == name), None)
+        if entry is None or hub.entry_is_loaded(entry, self.bridge.model_info):
+            return
+        cached = {e.name for e in self._model_entries}
+        self.switch_model(entry.name, entry.pair if entry.pair in cached else None)
+
+    def switch_model(self, spec: Optional[str], drafter: Optional[str] = None) -> None:
+        """Load another model in the worker; this chat stays and continues with it."""
+        self.bridge.load(spec, drafter)
+
+    def _apply_mode_support(self, support: Optional[dict]) -> None:
+        """Grey out the modes this model cannot run (reason as the tooltip); None: all offered."""
+        model = self.mode.model()
+        for mode in (support or {}):
+            if self.mode.findText(mode) < 0:
+                self.mode.addItem(mode)
+        for i in range(self.mode.count()):
+            mode = self.mode.itemText(i)
+            why = (support or {}).get(mode)
+            item = model.item(i)
+            item.setEnabled(why is None)
+            help_text = MODE_HELP.get(mode, mode)
+            item.setToolTip(help_text if why is None else f"{help_text}\nunavailable: {why}")
+        current = self.mode.currentText()
+        if support and support.get(current) is not None and support.get("auto", "x") is None:
+            self.status.setText(f"mode {current} is not available with this model ({support[current]}); using auto")
+            set_tone(self.status, "warn")
+            self.mode.setCurrentText("auto")
+
     # -- worker replies ----------------------------------------------------------------------------
     def _on_loading(self, what: str) -> None:
         self.model_ready = False
-        self.banner_text.setText(f"Loading {what}…  (first start converts the model once; later starts are quick)")
-        self.banner_bar.show()
-        set_tone(self.banner_text, "")
-        self.banner.show()
+        self.load_bar.show()
+        self.model_box.setEnabled(False)
+        if not self.bridge.model_info:  # the first load: the big banner
+            self.banner_text.setText(f"Loading {what}…  (first start converts the model once; later starts are quick)")
+            self.banner_bar.show()
+            set_tone(self.banner_text, "")
+            self.banner.show()
+        else:
+            self.banner.hide()
+            self.drafter_label.setText(f"loading {what}…")
         self._update_button()
 
     def _on_loaded(self, info: dict) -> None:
         self.model_ready = True
         self.banner.hide()
+        self.load_bar.hide()
+        self.model_box.setEnabled(True)
+        drafter = info.get("drafter")
+        self.drafter_label.setText(f"drafter {Path(drafter).name}" if drafter else "no drafter")
+        self.drafter_label.setToolTip(drafter or "modes that need a drafter model are unavailable")
+        self.refresh_models()
+        self._apply_mode_support(info.get("mode_support"))
         self._update_button()
         self.input.setFocus()
 
@@ -238,44 +597,101 @@ class ChatView(QWidget):
         set_tone(self.banner_text, "bad")
         self.banner_bar.hide()
         self.banner.show()
+        self.load_bar.hide()
+        self.model_box.setEnabled(True)
+        info = self.bridge.model_info
+        drafter = info.get("drafter") if info else None
+        self.drafter_label.setText((f"drafter {Path(drafter).name}" if drafter else "no drafter") if info else "")
+        self.refresh_models()  # back to the model still loaded
         self._update_button()
 
     def _on_started(self, rid: int, info: dict) -> None:
-        if rid == self.request_id and self.current is not None:
-            self.current.set_footer(f"generating · mode {info.get('mode')} · prompt {info.get('prompt_tokens')} tokens",
-                                    "muted")
+        if self.turn is not None and rid == self.turn.rid:
+            self.turn.bubble.set_footer(f"generating · mode {info.get('mode')} · prompt {info.get('prompt_tokens')} "
+                                        "tokens", "muted")
 
     def _on_text(self, rid: int, text: str) -> None:
-        if rid == self.request_id and self.current is not None:
-            self.current.append(text)
-            QTimer.singleShot(0, self._scroll_to_end)
+        if self.turn is not None and rid == self.turn.rid:
+            self.turn.text += text
+            if not self._render_timer.isActive():
+                self._render_timer.start()
+
+    def _render_stream(self) -> None:
+        turn = self.turn
+        if turn is not None and turn.conv is self.conv and turn.bubble.content != turn.text:
+            turn.bubble.set_text(turn.text)
 
     def _on_finished(self, rid: int, result: dict) -> None:
-        if rid != self.request_id:
+        turn = self.turn
+        if turn is None or rid != turn.rid:
             return
         self.last_result = result
-        if self.current is not None:
-            if self.current.content != result["text"]:  # the final text is authoritative (stop strings)
-                self.current.content = ""
-                self.current.append(result["text"])
-            self.current.set_footer(turn_stats(result), "muted")
-        if result["text"]:
-            self.messages.append({"role": "assistant", "content": result["text"]})
+        self._render_timer.stop()
+        text = result["text"]  # the final text is authoritative (stop strings)
+        if not text.strip():
+            self._drop_turn(turn, "stopped before any text" if result.get("finish_reason") == "cancelled"
+                            else "the model answered nothing")
+            return
+        stats = {k: result[k] for k in STAT_KEYS if result.get(k) is not None}
+        answer = Message("assistant", text, stats)
+        self._save_turn(turn, answer)
+        if turn.conv is self.conv:
+            turn.bubble.set_text(text)
+            turn.bubble.set_footer(turn_stats(result), "muted")
         self.status.setText("stopped" if result.get("finish_reason") == "cancelled" else "")
+        set_tone(self.status, "")
         self._done()
 
-    def _on_failed(self, rid: int, message: str) -> None:
-        if rid != self.request_id:
+    def _save_turn(self, turn: Turn, answer: Message) -> None:
+        conv = turn.conv
+        conv.messages[turn.position:] = [turn.user, answer]
+        if conv.id in self._deleted:
             return
-        if self.current is not None:
-            self.current.set_footer(message, "bad")
-        if self.messages and self.messages[-1]["role"] == "user":
-            self.messages.pop()  # the failed turn does not become part of the conversation
-        self.status.setText("")
+        try:
+            if conv.id is None:
+                made = self.store.create(history.title_from(turn.user.content), conv.system_prompt, conv.settings)
+                conv.id, conv.title, conv.created = made.id, made.title, made.created
+            elif not conv.title and turn.position == 0:
+                conv.title = history.title_from(turn.user.content)
+                self.store.rename(conv.id, conv.title)
+            self.store.replace_from(conv.id, turn.position, conv.messages[turn.position:])
+        except (sqlite3.Error, TandemError) as err:
+            self._store_failed(err)
+            return
+        if conv is self.conv:
+            self.settings.last_conversation = conv.id
+            self._show_title()
+        self.refresh_list()
+
+    def _on_failed(self, rid: int, message: str) -> None:
+        if self.turn is not None and rid == self.turn.rid:
+            self._drop_turn(self.turn, message, tone="bad")
+
+    def _drop_turn(self, turn: Turn, message: str, tone: str = "muted") -> None:
+        """A turn with no answer leaves the chat as it was; the question goes back to the prompt box."""
+        self.turn = None
+        if turn.conv is self.conv:
+            self._show(self.conv)
+            if not self.input.toPlainText().strip():
+                self.input.setPlainText(turn.user.content)
+        self.status.setText(message)
+        set_tone(self.status, tone)
         self._done()
 
     def _done(self) -> None:
-        self.request_id = None
-        self.current = None
+        self.turn = None
         self._update_button()
-        QTimer.singleShot(0, self._scroll_to_end)
+
+    def shutdown(self) -> None:
+        """Save what is pending (a system prompt being typed) and close the history file."""
+        self.panel.flush()
+        self._render_timer.stop()
+        self.store.close()
+
+    # -- dialogs (replaced in tests) ---------------------------------------------------------------
+    def _ask(self, title: str, text: str) -> bool:
+        return QMessageBox.question(self, title, text) == QMessageBox.StandardButton.Yes
+
+    def _ask_path(self, title: str, suggested: str, file_filter: str) -> Optional[str]:
+        path, _ = QFileDialog.getSaveFileName(self, title, str(Path.home() / suggested), file_filter)
+        return path or None

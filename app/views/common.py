@@ -45,6 +45,9 @@ def turn_stats(result: dict) -> str:
     if result.get("cap"):
         parts.append(f"cap {result.get('cap')}")
     parts.append(f"{result.get('tokens', 0)} tokens")
+    if result.get("prompt_tokens"):
+        cached = result.get("cached_tokens") or 0
+        parts.append(f"prompt {result['prompt_tokens']}" + (f" ({cached} cached)" if cached else ""))
     if result.get("finish_reason") == "cancelled":
         parts.append("stopped")
     elif result.get("finish_reason") == "length":

@@ -221,19 +221,7 @@ class ModelsView(QWidget):
                    for n in names)
 
     def _is_loaded(self, entry: hub.ModelEntry) -> bool:
-        info = self.loaded
-        if not info:
-            return False
-        names = {info.get("spec"), info.get("name")} - {None}
-        if entry.name in names or entry.spec in names or (entry.source == "built-in" and entry.display_name in names):
-            return True
-        if entry.source == "built-in" and info.get("spec") is None and info.get("source", "").startswith("builtin:"):
-            return entry.name == info["source"].split(":", 1)[1]  # None loads the starter model
-        source = info.get("source") or ""
-        if source.startswith("gguf:") and entry.path and entry.format == "GGUF":  # e.g. via an Ollama link
-            return os.path.realpath(entry.path) == source.split(":", 1)[1]
-        path = info.get("path") or ""
-        return bool(entry.repo_path and path.startswith(entry.repo_path))
+        return hub.entry_is_loaded(entry, self.loaded)
 
     def loaded_names(self) -> list[str]:
         info = self.loaded

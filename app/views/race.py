@@ -12,12 +12,13 @@ from typing import Optional
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (QCheckBox, QFrame, QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QPushButton,
-                               QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
+                               QSpinBox, QVBoxLayout, QWidget)
 
 from app.bridge import Bridge
 from app.race_verdict import replay_length, speedup, token_diff, visible_tokens
 from app.views.common import (ACCENT, LANE_COLOURS, MODE_HELP, Card, fmt_rate, fmt_seconds, hbox, plain_label,
                               set_tone, spin, title_label)
+from app.views.markdown_view import MarkdownView
 from app.views.token_colours import legend, source_summary, token_format
 
 RACE_MODES = ("lookup", "draft", "dspark", "dflash")
@@ -48,9 +49,8 @@ class Lane(QFrame):
         lay.addLayout(hbox(self.name, None, self.speed))
         self.meta = plain_label("", "laneMeta")
         lay.addWidget(self.meta)
-        self.body = QTextBrowser()
-        self.body.setObjectName("laneBody")
-        self.body.setOpenLinks(False)
+        self.body = MarkdownView("laneBody", auto_height=False)
+        self.markdown = False  # the replay renders Markdown instead of coloured tokens
         lay.addWidget(self.body, 1)
         self.verdict = plain_label("", "laneVerdict")
         lay.addWidget(self.verdict)
@@ -61,7 +61,7 @@ class Lane(QFrame):
     def append_live(self, text: str) -> None:
         self.live_text += text
         self.shown = -1
-        self.body.setPlainText(self.live_text)
+        self.body.set_markdown(self.live_text)
         bar = self.body.verticalScrollBar()
         bar.setValue(bar.maximum())
 
@@ -108,6 +108,12 @@ class Lane(QFrame):
         pieces = self.data.get("pieces") or []
         sources = self.data.get("sources") or []
         n = max(0, min(n, len(pieces)))
+        if self.markdown:
+            self.shown, self.caret = -1, False
+            self.body.set_markdown("".join(pieces[:n]))
+            bar = self.body.verticalScrollBar()
+            bar.setValue(bar.maximum())
+            return
         if self.shown < 0 or n < self.shown:
             self.body.clear()
             cursor = QTextCursor(self.body.document())
@@ -174,8 +180,12 @@ class RaceView(QWidget):
         self.replay_button.setObjectName("secondary")
         self.replay_button.setEnabled(False)
         self.replay_button.clicked.connect(self.replay)
-        row += [None, plain_label("Max tokens", "fieldLabel", wrap=False), self.max_tokens, self.replay_button,
-                self.run_button]
+        self.markdown_box = QCheckBox("Markdown")
+        self.markdown_box.setToolTip("Show the answers rendered as Markdown instead of tokens coloured by source "
+                                     "and diff")
+        self.markdown_box.toggled.connect(self._set_markdown)
+        row += [None, self.markdown_box, plain_label("Max tokens", "fieldLabel", wrap=False), self.max_tokens,
+                self.replay_button, self.run_button]
         setup.body.addLayout(hbox(*row))
         root.addWidget(setup)
 
@@ -251,9 +261,18 @@ class RaceView(QWidget):
                 w.deleteLater()
         self.placeholder.hide()
         self.lanes = [Lane(i, m) for i, m in enumerate(modes)]
+        for lane in self.lanes:
+            lane.markdown = self.markdown_box.isChecked()
         cols = len(modes) if len(modes) <= 3 else (len(modes) + 1) // 2
         for i, lane in enumerate(self.lanes):
             self.lanes_layout.addWidget(lane, i // cols, i % cols)
+
+    def _set_markdown(self, on: bool) -> None:
+        self.legend.setVisible(not on)
+        for lane in self.lanes:
+            lane.markdown = on
+            if lane.data and "error" not in lane.data and not self.replay_timer.isActive():
+                lane.render_upto(len(lane.data["token_ids"]))
 
     @staticmethod
     def _repolish(w: QWidget) -> None:
