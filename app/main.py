@@ -126,8 +126,8 @@ class MainWindow(QMainWindow):
         self.regenerate_action = action(chat_menu, "Regenerate last answer", self._regenerate, "Ctrl+R")
         chat_menu.addSeparator()
         self.focus_action = action(chat_menu, "Focus the prompt", self._focus_prompt, "Ctrl+L")
-        action(chat_menu, "Show parameters", lambda: chat.show_parameters(not chat.panel.isVisible()), "Ctrl+Shift+P")
-        action(chat_menu, "Show chat list", lambda: chat.sidebar.setVisible(not chat.sidebar.isVisible()),
+        action(chat_menu, "Show parameters", lambda: chat.show_parameters(chat.panel.isHidden()), "Ctrl+Shift+P")
+        action(chat_menu, "Show chat list", lambda: chat.sidebar.setVisible(chat.sidebar.isHidden()),
                "Ctrl+Shift+L")
 
         view_menu = bar.addMenu("&View")

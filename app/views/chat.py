@@ -122,7 +122,7 @@ class ChatView(QWidget):
         self.params_button = QPushButton("Parameters")
         self.params_button.setObjectName("secondary")
         self.params_button.setCheckable(True)
-        self.params_button.setChecked(self.panel.isVisible())
+        self.params_button.setChecked(self.settings.show_parameters)
         self.params_button.setToolTip("System prompt and sampling for this chat")
         self.params_button.toggled.connect(self.show_parameters)
         mode_label = plain_label("Mode", "fieldLabel", wrap=False)
@@ -547,6 +547,9 @@ class ChatView(QWidget):
     def _apply_mode_support(self, support: Optional[dict]) -> None:
         """Grey out the modes this model cannot run (reason as the tooltip); None: all offered."""
         model = self.mode.model()
+        for i in reversed(range(self.mode.count())):  # modes a previous model added
+            if self.mode.itemText(i) not in MODES and self.mode.itemText(i) not in (support or {}):
+                self.mode.removeItem(i)
         for mode in (support or {}):
             if self.mode.findText(mode) < 0:
                 self.mode.addItem(mode)
