@@ -168,10 +168,8 @@ class MainWindow(QMainWindow):
         return self.settings.font_size or theme.default_font_pt()
 
     def apply_theme(self) -> str:
-        name = theme.apply(QApplication.instance(), self.settings.theme, self.settings.font_size)
-        if hasattr(self, "chat"):
-            self.chat.refresh_theme()
-        return name
+        """The chosen theme and text size; rendered messages follow by themselves (theme.notifier)."""
+        return theme.apply(QApplication.instance(), self.settings.theme, self.settings.font_size)
 
     def set_theme(self, choice: str) -> None:
         self.settings.theme = choice

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QGuiApplication, QPalette
 
 from app import markdown_render
@@ -31,7 +31,7 @@ DARK = {
     "window": "#15171c", "surface": "#1e2127", "surface_alt": "#252930", "hover": "#2b3038",
     "text": "#e5e7eb", "text_strong": "#f3f4f6", "text_soft": "#d1d5db", "muted": "#9ca3af", "faint": "#7b8494",
     "border": "#30343c", "border_strong": "#424853",
-    "accent": "#5b82f0", "accent_hover": "#4a72e6", "accent_soft": "#34477a", "accent_bg": "#223055",
+    "accent": "#4c74e8", "accent_hover": "#3f66d9", "accent_soft": "#34477a", "accent_bg": "#223055",
     "accent_border": "#2f4170", "banner_bg": "#1d2440", "banner_border": "#2f3c6b",
     "danger": "#f87171", "danger_border": "#7f2d2d", "danger_hover": "#2a1c1c", "danger_disabled": "#3b2727",
     "good": "#34d399", "warn": "#fbbf24", "tooltip_bg": "#f3f4f6", "tooltip_text": "#111827", "status_text": "#aab1bd",
@@ -39,6 +39,20 @@ DARK = {
 PALETTES = {"light": LIGHT, "dark": DARK}
 
 _current = {"name": "light"}
+
+
+class _Notifier(QObject):
+    changed = Signal(str)  # "light" or "dark": rendered Markdown re-renders itself
+
+
+_notifier: list[_Notifier] = []
+
+
+def notifier() -> _Notifier:
+    if not _notifier:
+        _notifier.append(_Notifier())
+    return _notifier[0]
+
 _base_font: list[float] = []  # the platform's default size, read once
 
 
@@ -102,6 +116,7 @@ def apply(app, choice: str = "system", font_pt: Optional[float] = None) -> str:
         _base_font.append(max(app.font().pointSizeF(), 10.0))
     size = min(max(float(font_pt), MIN_FONT_PT), MAX_FONT_PT) if font_pt else default_font_pt()
     name = resolve(choice)
+    changed = name != _current["name"]
     _current["name"] = name
     font = QFont(app.font())
     font.setPointSizeF(size)
@@ -109,4 +124,6 @@ def apply(app, choice: str = "system", font_pt: Optional[float] = None) -> str:
     app.setPalette(qpalette(name))
     if STYLE.exists():
         app.setStyleSheet(stylesheet(name, size))
+    if changed:
+        notifier().changed.emit(name)
     return name

@@ -116,6 +116,7 @@ class EngineWorker(QObject):
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
             "can_rollback": bool(eng.target.can_rollback),
             "mode_support": _mode_support(eng),
+            **_auto_choice(eng),
         }
 
     def _after_load(self, eng, info: dict) -> None:
@@ -394,6 +395,22 @@ def _clear_prefix_cache(eng) -> None:
             clear()
         except Exception as err:
             _report(err)
+
+
+def _auto_choice(eng) -> dict:
+    """What --mode auto runs on this engine, and with which drafter (for the chat's header)."""
+    try:
+        mode = eng.resolve_mode("auto")
+        drafter = eng.drafter_path
+        if drafter is None and mode in ("dspark", "dflash"):
+            from engine import registry
+
+            row = registry.usable_row(eng, mode, for_auto=True)
+            drafter = row["drafter"] if row else None
+    except Exception as err:  # the header goes without it; generation reports its own errors
+        print(f"tandem app: auto mode unknown: {_one_line(err)}", file=sys.stderr)
+        return {}
+    return {"auto_mode": mode, "auto_drafter": drafter}
 
 
 def _mode_support(eng) -> Optional[dict]:

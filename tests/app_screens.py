@@ -1,7 +1,8 @@
 """Screenshots of the desktop app on the starter model (a script, not a test).
 
 Starts the app, drives a chat (two turns), a calibration, a race, and saves one PNG per tab with
-``QWidget.grab()``:
+``QWidget.grab()``, in each theme asked for (light: chat.png ...; dark: chat-dark.png ...). Settings
+and chat history go to a throwaway folder, never the user's:
 
     xvfb-run -a -s "-screen 0 1400x900x24" .venv/bin/python tests/app_screens.py /tmp/tandem-shots \
         [--demo-cache] [--demo-stores] [--demo-hub] [--race-modes lookup,dspark]
@@ -13,7 +14,9 @@ Takes about a minute on a 2-core CPU. Exits non-zero if any step fails or times 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +29,9 @@ from app.main import MainWindow, make_application  # noqa: E402
 
 CHAT_TURNS = [
     ("auto", "In two sentences, what is a CPU cache?"),
-    ("lookup", "Repeat your last answer word for word, then add one sentence about memory bandwidth."),
+    ("lookup", "Write a Python function that returns the squares of a list of numbers, in a code block."),
 ]
+SUFFIX = [""]  # "-dark" while shooting the dark theme
 RACE_PROMPT = ("Write a Python function is_palindrome(s) that ignores case and spaces, with a docstring, "
                "then show three example calls.")
 
@@ -49,6 +53,7 @@ def settle(app: QApplication, seconds: float = 0.4) -> None:
 
 
 def shoot(app: QApplication, win: MainWindow, tab, path: Path) -> None:
+    path = path.with_name(path.stem + SUFFIX[0] + path.suffix)
     win.tabs.setCurrentWidget(tab)
     if tab is win.telemetry:
         win.telemetry.redraw(force=True)
@@ -64,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="model to load (default: the starter model)")
     p.add_argument("--race-modes", default="lookup", help="comma-separated modes raced against baseline")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--themes", default="light,dark", help="comma-separated: light, dark (one set of PNGs each)")
     p.add_argument("--demo-cache", action="store_true",
                    help="show a hand-built HF cache (a target, a drafter) in the Models tab instead of ~/.cache")
     p.add_argument("--demo-stores", action="store_true",
@@ -72,10 +78,8 @@ def main(argv=None) -> int:
                    help="search a local fake Hub in the Models tab (no network)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ["TANDEM_APP_DATA"] = tempfile.mkdtemp(prefix="tandem-screens-")  # settings + history
     if args.demo_stores:
-        import os
-        import tempfile
-
         from tests.test_app_stores import build_stores
 
         home = Path(tempfile.mkdtemp(prefix="tandem-home-"))
@@ -93,8 +97,6 @@ def main(argv=None) -> int:
 
     cache_dir = None
     if args.demo_cache:
-        import tempfile
-
         from tests.test_app_hub import build_cache
 
         cache_dir = str(build_cache(Path(tempfile.mkdtemp(prefix="tandem-demo-"))))
@@ -122,7 +124,6 @@ def main(argv=None) -> int:
             if errors:
                 raise SystemExit(f"app_screens: {errors[0]}")
             print(f"chat [{mode}]: {chat.last_result['tokens']} tokens, {chat.last_result['decode_tps']:.1f} tok/s")
-        shoot(app, win, win.chat, args.out / "chat.png")
 
         tel = win.telemetry
         tel.calibrate()
@@ -138,8 +139,6 @@ def main(argv=None) -> int:
         wait_until(app, lambda: race.request_id is None, 600, "the race")
         wait_until(app, lambda: not race.replay_timer.isActive(), 120, "the replay")
         print(race.summary.text())
-        shoot(app, win, win.race, args.out / "race.png")
-        shoot(app, win, win.telemetry, args.out / "telemetry.png")
         models = win.models
         wait_until(app, lambda: not models.busy, 60, "the model list")
         if fake_hub is not None:
@@ -152,7 +151,17 @@ def main(argv=None) -> int:
             wait_until(app, lambda: not models.busy, 60, "the GGUF file list")
         if cache_dir:
             models.select("org/tiny-dspark")
-        shoot(app, win, win.models, args.out / "models.png")
+        for name in [t for t in args.themes.split(",") if t]:
+            win.set_theme(name)
+            SUFFIX[0] = "" if name == "light" else f"-{name}"
+            chat.show_parameters(False)
+            shoot(app, win, win.chat, args.out / "chat.png")
+            chat.show_parameters(True)
+            shoot(app, win, win.chat, args.out / "chat-parameters.png")
+            chat.show_parameters(False)
+            shoot(app, win, win.race, args.out / "race.png")
+            shoot(app, win, win.telemetry, args.out / "telemetry.png")
+            shoot(app, win, win.models, args.out / "models.png")
     finally:
         win.shutdown()
         win.close()

@@ -153,7 +153,7 @@ def test_conversation_saved_per_turn_and_restored_after_restart(make_win, qtbot)
 
     again = make_win()  # restart: the last chat is open again, with its settings
     c2 = again.chat
-    assert c2.conv.id == cid and c2.title.text() == "Numbers"
+    assert c2.conv.id == cid and c2.title.full_text == "Numbers"
     assert [m["content"] for m in c2.messages] == ["w5 w6 w7", first["text"], "w8 w9", second["text"]]
     assert c2.system_prompt.toPlainText() == "w20 w21" and c2.max_tokens.value() == 10
     assert c2.mode.currentText() == "baseline"
@@ -187,7 +187,7 @@ def test_conversation_sidebar_new_search_rename_delete_export(make_win, qtbot, t
     item = chat.sidebar.item_for(a)  # rename in place, as a double-click edit would
     item.setText("First chat")
     assert stored(a).title == "First chat"
-    assert chat.open_conversation(a) and chat.messages[0]["content"] == "w5 w6" and chat.title.text() == "First chat"
+    assert chat.open_conversation(a) and chat.messages[0]["content"] == "w5 w6" and chat.title.full_text == "First chat"
 
     md_path = chat.export_conversation(a, str(tmp_path / "out.md"))
     assert md_path.read_text().startswith("# First chat") and "w5 w6" in md_path.read_text()
@@ -243,7 +243,8 @@ def test_conversation_crash_mid_turn_loses_only_that_turn(tmp_path):
     _, cid, first_answer = line.split(" ", 2)
     store = ConversationStore(data / "conversations.sqlite3")
     conv = store.load(int(cid))
-    assert [(m.role, m.content) for m in conv.messages] == [("user", "w5 w6 w7"), ("assistant", ast.literal_eval(first_answer))]
+    assert [(m.role, m.content) for m in conv.messages] == [("user", "w5 w6 w7"),
+                                                            ("assistant", ast.literal_eval(first_answer))]
 
 
 def test_conversation_turn_in_flight_is_not_on_disk_until_it_ends(make_win, qtbot):

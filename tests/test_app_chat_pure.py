@@ -144,7 +144,8 @@ def test_markdown_unknown_language_and_unclosed_fence_while_streaming():
 
 
 def test_markdown_tables_lists_and_escaped_html():
-    r = md.render("| a | b |\n|:--|--:|\n| 1 | 2 |\n\n- one\n- two\n\n<script>alert(1)</script> [x](javascript:alert(1))")
+    r = md.render("| a | b |\n|:--|--:|\n| 1 | 2 |\n\n- one\n- two\n\n"
+                  "<script>alert(1)</script> [x](javascript:alert(1))")
     assert "<table" in r.html and "<th" in r.html and "align='right'" in r.html
     assert "<li>one</li>" in r.html
     assert "<script>" not in r.html and "&lt;script&gt;" in r.html
@@ -160,7 +161,8 @@ def test_markdown_think_blocks_fold():
     assert [s.kind for s in md.split_think("Plain </think> text")] == ["think", "text"]
     assert [s.kind for s in md.split_think("<think>a</think>b </think> c")] == ["think", "text"]  # stray: text
     folded = md.render("<think>secret reasoning</think>The answer.")
-    assert "secret reasoning" not in folded.html and "href='think:0'" in folded.html and "Reasoning · 2 words" in folded.html
+    assert "secret reasoning" not in folded.html and "href='think:0'" in folded.html
+    assert "Reasoning · 2 words" in folded.html
     assert "secret reasoning" in md.render("<think>secret reasoning</think>x", expanded={0}).html
     assert "Thinking…" in md.render("<think>partial").html
     assert md.plain_text("<think>hidden</think>\nShown **text**") == "Shown **text**"

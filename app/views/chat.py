@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QHBoxLayout, QLabel, QMenu, QMessageBox, QProgressBar,
+from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QHBoxLayout, QMenu, QMessageBox, QProgressBar,
                                QPushButton, QScrollArea, QVBoxLayout, QWidget)
 
 from app import conversations as history
@@ -22,7 +22,8 @@ from app import hub
 from app.bridge import Bridge
 from app.conversations import Conversation, ConversationStore, Message
 from app.settings import AppSettings, history_path, sampling_settings
-from app.views.chat_widgets import ConversationList, MessageWidget, ModelCombo, ParametersPanel, PromptEdit
+from app.views.chat_widgets import (ConversationList, ElidedLabel, MessageWidget, ModelCombo, ParametersPanel,
+                                   PromptEdit)
 from app.views.common import MODE_HELP, MODES, hbox, plain_label, set_tone, turn_stats
 from engine.errors import TandemError
 
@@ -95,15 +96,16 @@ class ChatView(QWidget):
         outer.addWidget(self.panel)
         # the panel's fields, by their old names (tests and scripts set them directly)
         self.temperature, self.top_p, self.top_k = self.panel.temperature, self.panel.top_p, self.panel.top_k
-        self.max_tokens, self.seed, self.system_prompt = self.panel.max_tokens, self.panel.seed, self.panel.system_prompt
+        self.max_tokens, self.seed = self.panel.max_tokens, self.panel.seed
+        self.system_prompt = self.panel.system_prompt
 
         # header: title, model, drafter, mode, parameters
-        self.title = QLabel()
-        self.title.setObjectName("chatTitle")
+        self.title = ElidedLabel("chatTitle")
         self.title.setTextFormat(Qt.PlainText)
         self.model_box = ModelCombo()
         self.model_box.setObjectName("modelPicker")
-        self.model_box.setMinimumWidth(200)
+        self.model_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+        self.model_box.setMinimumContentsLength(22)
         self.model_box.setToolTip("The model that answers; switching keeps this chat")
         self.model_box.about_to_open.connect(self.refresh_models)
         self.model_box.activated.connect(self._on_model_chosen)
@@ -401,6 +403,7 @@ class ChatView(QWidget):
         menu.exec(self.sidebar.list.mapToGlobal(pos))
 
     def _show(self, conv: Conversation) -> None:
+        self.panel.flush()  # a system prompt being typed belongs to the chat shown until now
         self.conv = conv
         self._drop_bubbles_from(0)
         for m in conv.messages:
@@ -428,8 +431,7 @@ class ChatView(QWidget):
         self.conversation_changed.emit()
 
     def _show_title(self) -> None:
-        self.title.setText(self.conv.display_title)
-        self.title.setToolTip(self.conv.display_title)
+        self.title.set_full_text(self.conv.display_title)
 
     # -- per-chat settings -------------------------------------------------------------------------
     def _on_params_changed(self) -> None:
@@ -454,6 +456,7 @@ class ChatView(QWidget):
         self.panel.note.setText("new chats will start with these settings")
 
     def reset_to_defaults(self) -> None:
+        self.panel.flush()
         self.conv.settings = self.settings.sampling_defaults()
         self._save_settings()
         self._show(self.conv)
@@ -499,10 +502,6 @@ class ChatView(QWidget):
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
 
-    def refresh_theme(self) -> None:
-        for bubble in self.bubbles:
-            bubble.render()
-
     # -- model ---------------------------------------------------------------------------------------
     def refresh_models(self) -> None:
         """The targets that can be loaded (built-in and cached), the loaded one selected."""
@@ -543,6 +542,21 @@ class ChatView(QWidget):
     def switch_model(self, spec: Optional[str], drafter: Optional[str] = None) -> None:
         """Load another model in the worker; this chat stays and continues with it."""
         self.bridge.load(spec, drafter)
+
+    def _show_drafter(self, info: dict) -> None:
+        """The drafter next to the model: the one loaded with it, else the one auto picks."""
+        drafter = info.get("drafter") or info.get("auto_drafter") if info else None
+        auto = info.get("auto_mode") if info else None
+        if not info:
+            text, tip = "", ""
+        elif drafter:
+            text = f"+ {drafter.rstrip('/').split('/')[-1]}"
+            tip = f"drafter {drafter}" + (f"\nauto runs {auto}" if auto else "")
+        else:
+            text = "no drafter" + (f" · auto = {auto}" if auto else "")
+            tip = "no drafter model for this target: auto uses prompt lookup; load one from the Models tab"
+        self.drafter_label.setText(text)
+        self.drafter_label.setToolTip(tip)
 
     def _apply_mode_support(self, support: Optional[dict]) -> None:
         """Grey out the modes this model cannot run (reason as the tooltip); None: all offered."""
@@ -586,9 +600,7 @@ class ChatView(QWidget):
         self.banner.hide()
         self.load_bar.hide()
         self.model_box.setEnabled(True)
-        drafter = info.get("drafter")
-        self.drafter_label.setText(f"drafter {Path(drafter).name}" if drafter else "no drafter")
-        self.drafter_label.setToolTip(drafter or "modes that need a drafter model are unavailable")
+        self._show_drafter(info)
         self.refresh_models()
         self._apply_mode_support(info.get("mode_support"))
         self._update_button()
@@ -602,9 +614,7 @@ class ChatView(QWidget):
         self.banner.show()
         self.load_bar.hide()
         self.model_box.setEnabled(True)
-        info = self.bridge.model_info
-        drafter = info.get("drafter") if info else None
-        self.drafter_label.setText((f"drafter {Path(drafter).name}" if drafter else "no drafter") if info else "")
+        self._show_drafter(self.bridge.model_info)
         self.refresh_models()  # back to the model still loaded
         self._update_button()
 

@@ -7,8 +7,8 @@ from typing import Optional
 
 from PySide6.QtCore import QTimer, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit,
-                               QListWidget, QListWidgetItem, QPlainTextEdit, QPushButton, QSpinBox, QToolButton,
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QToolButton,
                                QVBoxLayout, QWidget)
 
 from app import markdown_render
@@ -115,6 +115,29 @@ class MessageWidget(QFrame):
             self.edit_submitted.emit(text)
 
 
+class ElidedLabel(QLabel):
+    """One line that ends in "…" when it does not fit, instead of widening the window."""
+
+    def __init__(self, object_name: str = ""):
+        super().__init__()
+        self.setObjectName(object_name)
+        self.full_text = ""
+        self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.setMinimumWidth(60)
+
+    def set_full_text(self, text: str) -> None:
+        self.full_text = text
+        self.setToolTip(text)
+        self._elide()
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        self.setText(self.fontMetrics().elidedText(self.full_text, Qt.ElideRight, max(self.width(), 20)))
+
+
 class PromptEdit(QPlainTextEdit):
     """Enter sends, Shift+Enter adds a line."""
 
@@ -162,6 +185,8 @@ class ConversationList(QFrame):
         self.list.setContextMenuPolicy(Qt.CustomContextMenu)
         self.list.setEditTriggers(QListWidget.EditTrigger.DoubleClicked | QListWidget.EditTrigger.EditKeyPressed)
         self.list.setTextElideMode(Qt.ElideRight)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.list.setWordWrap(False)
         self.list.itemClicked.connect(self._on_clicked)
         self.list.itemChanged.connect(self._on_changed)
         self.empty = plain_label("", "hint")

@@ -26,6 +26,7 @@ class MarkdownView(QTextBrowser):
         self.setOpenLinks(False)
         self.setOpenExternalLinks(False)
         self.anchorClicked.connect(self._on_anchor)
+        theme.notifier().changed.connect(self._on_theme)
         if auto_height:
             self.setFrameShape(QFrame.NoFrame)
             self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
@@ -41,9 +42,18 @@ class MarkdownView(QTextBrowser):
     def rerender(self) -> None:
         """Render again (the text, a fold, or the theme changed)."""
         self.rendered = markdown_render.render(self.markdown, theme.markdown_palette(), expanded=self.expanded)
-        self.setHtml(self.rendered.html)
+        QTextBrowser.setHtml(self, self.rendered.html)
         if self.auto_height:
             self._fit()
+
+    def setHtml(self, text: str) -> None:
+        """HTML from the caller (Race's token view) replaces the Markdown: a theme change keeps it."""
+        self.markdown = ""
+        super().setHtml(text)
+
+    def _on_theme(self, name: str) -> None:
+        if self.markdown:
+            self.rerender()
 
     def toggle_thought(self, index: int) -> None:
         self.expanded ^= {index}
