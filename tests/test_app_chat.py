@@ -37,10 +37,7 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}w2 {% elif m['
 
 
 class ChatEngine(Engine):
-    """The tiny engine with a chat template; records every prompt it encodes and every
-    prefix-cache clear, and (``future=True``) speaks the engine contracts still being added."""
-
-    future = False
+    """The tiny engine with a chat template; records every prompt it encodes."""
 
     def __init__(self):
         base = tiny_engine()
@@ -54,22 +51,23 @@ class ChatEngine(Engine):
         self.encoded.append(ids)
         return ids
 
+
+class Future(ChatEngine):
+    """Speaks the engine contracts being added in parallel: a prefix cache (cached tokens in the
+    result, a clear method) and mode support that names a mode the app does not list yet."""
+
     def stream(self, prompt, **kw):
         for chunk in super().stream(prompt, **kw):
-            if chunk.result is not None and self.future:
+            if chunk.result is not None:
                 chunk.result.cached_tokens = 5
             yield chunk
 
-    def __getattr__(self, name):
-        if self.future and name == "mode_support":
-            return lambda: {"auto": None, "baseline": None, "lookup": None, "draft": "needs --draft-model",
-                            "dspark": "no DSpark drafter for this model", "dflash": "no DFlash drafter",
-                            "mtp": "the model has no MTP head"}
-        if self.future and name == "clear_prefix_cache":
-            return self._clear
-        raise AttributeError(name)
+    def mode_support(self):
+        return {"auto": None, "baseline": None, "lookup": None, "draft": "needs --draft-model",
+                "dspark": "no DSpark drafter for this model", "dflash": "no DFlash drafter",
+                "mtp": "the model has no MTP head"}
 
-    def _clear(self):
+    def clear_prefix_cache(self):
         self.clears += 1
 
 
@@ -77,10 +75,6 @@ def chat_engine(spec=None, drafter=None) -> ChatEngine:
     if spec == "org/broken":
         raise TandemError("org/broken: cannot load model (planted failure)")
     return ChatEngine()
-
-
-class Future(ChatEngine):
-    future = True
 
 
 @pytest.fixture
@@ -480,6 +474,10 @@ def test_settings_menus_show_the_shortcuts(make_win):
 def test_conversation_model_switch_keeps_the_chat(make_win, qtbot):
     win = make_win()
     chat = win.chat
+    model = chat.mode.model()  # Engine.mode_support(): modes this model cannot run are greyed, with the reason
+    draft = model.item(chat.mode.findText("draft"))
+    assert model.item(chat.mode.findText("lookup")).isEnabled() and not draft.isEnabled()
+    assert "--draft-model" in draft.toolTip()
     greedy(chat, 4)
     answer(qtbot, win, lambda: chat.send("w5 w6"))
     names = [chat.model_box.itemData(i) for i in range(chat.model_box.count())]
