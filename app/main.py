@@ -91,7 +91,11 @@ class MainWindow(QMainWindow):
         self._build_menus()
         hints = QGuiApplication.styleHints()
         if hasattr(hints, "colorSchemeChanged"):  # follow the OS while the theme is "system"
-            hints.colorSchemeChanged.connect(lambda *_: self.settings.theme == "system" and self.apply_theme())
+            hints.colorSchemeChanged.connect(self._on_os_scheme)
+
+        geometry = self.settings.window_geometry
+        if geometry is not None:
+            self.restoreGeometry(geometry)
 
         self.host.start()
         if autoload:
@@ -171,6 +175,10 @@ class MainWindow(QMainWindow):
         """The chosen theme and text size; rendered messages follow by themselves (theme.notifier)."""
         return theme.apply(QApplication.instance(), self.settings.theme, self.settings.font_size)
 
+    def _on_os_scheme(self, *_) -> None:
+        if self.settings.theme == "system":
+            self.apply_theme()
+
     def set_theme(self, choice: str) -> None:
         self.settings.theme = choice
         if choice in getattr(self, "theme_actions", {}):
@@ -212,6 +220,7 @@ class MainWindow(QMainWindow):
         # the stopped answer's reply is queued for the chat: deliver it so it is saved
         QCoreApplication.sendPostedEvents(self.chat, QEvent.Type.MetaCall)
         self.chat.shutdown()
+        self.settings.window_geometry = self.saveGeometry()
         self.settings.sync()
 
     def closeEvent(self, event) -> None:

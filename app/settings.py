@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from PySide6.QtCore import QSettings, QStandardPaths
+from PySide6.QtCore import QByteArray, QSettings, QStandardPaths
 
 ORGANISATION = "Tandem"
 APPLICATION = "Tandem"
@@ -117,6 +117,15 @@ class AppSettings:
     @show_parameters.setter
     def show_parameters(self, value: bool) -> None:
         self.store.setValue("session/show_parameters", "true" if value else "false")
+
+    @property
+    def window_geometry(self) -> Optional[QByteArray]:
+        value = self.store.value("session/window_geometry")
+        return value if isinstance(value, QByteArray) and not value.isEmpty() else None
+
+    @window_geometry.setter
+    def window_geometry(self, value: QByteArray) -> None:
+        self.store.setValue("session/window_geometry", value)
 
     def sync(self) -> None:
         self.store.sync()

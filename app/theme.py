@@ -38,11 +38,11 @@ DARK = {
 }
 PALETTES = {"light": LIGHT, "dark": DARK}
 
-_current = {"name": "light"}
+_current = {"name": "light", "size": 0.0}
 
 
 class _Notifier(QObject):
-    changed = Signal(str)  # "light" or "dark": rendered Markdown re-renders itself
+    changed = Signal(str)  # "light" or "dark" (after a theme or text size change): Markdown re-renders
 
 
 _notifier: list[_Notifier] = []
@@ -116,8 +116,8 @@ def apply(app, choice: str = "system", font_pt: Optional[float] = None) -> str:
         _base_font.append(max(app.font().pointSizeF(), 10.0))
     size = min(max(float(font_pt), MIN_FONT_PT), MAX_FONT_PT) if font_pt else default_font_pt()
     name = resolve(choice)
-    changed = name != _current["name"]
-    _current["name"] = name
+    changed = (name, size) != (_current["name"], _current["size"])
+    _current.update(name=name, size=size)
     font = QFont(app.font())
     font.setPointSizeF(size)
     app.setFont(font)

@@ -436,8 +436,10 @@ def test_settings_persist_across_restart(make_win, qtbot):
     chat.seed.setValue(3)
     chat.save_defaults()
     chat.show_parameters(True)
+    win.resize(1111, 777)
+    geometry = win.saveGeometry()
     win.shutdown()
-    assert AppSettings().theme == "dark"
+    assert AppSettings().theme == "dark" and AppSettings().window_geometry == geometry
     assert (Path(os.environ["TANDEM_APP_DATA"]) / "settings.ini").exists()
 
     again = make_win()

@@ -207,10 +207,13 @@ class ChatView(QWidget):
             self.history_error = f"{err}; chats are kept only until you quit"
             return ConversationStore(":memory:")
 
+    def _say(self, text: str, tone: str = "muted") -> None:
+        self.status.setText(text)
+        set_tone(self.status, tone)
+
     def _store_failed(self, err: Exception) -> None:
         self.history_error = f"could not save to the chat history: {err}"
-        self.status.setText(self.history_error)
-        set_tone(self.status, "bad")
+        self._say(self.history_error, "bad")
 
     def _new_conversation(self) -> Conversation:
         return Conversation(None, settings=self.settings.sampling_defaults())
@@ -294,8 +297,7 @@ class ChatView(QWidget):
         prompt = self.conv.chat_messages(position) + [{"role": "user", "content": text}]
         rid = self.bridge.generate(prompt, self.params())
         self.turn = Turn(rid, self.conv, position, user, bubble)
-        self.status.setText("")
-        set_tone(self.status, "")
+        self._say("", "")
         self._update_button()
         QTimer.singleShot(0, self._scroll_to_end)
         return rid
@@ -303,8 +305,7 @@ class ChatView(QWidget):
     def stop(self) -> None:
         if self.turn is not None:
             self.bridge.cancel(self.turn.rid)
-            self.status.setText("stopping after this round…")
-            set_tone(self.status, "")
+            self._say("stopping after this round…", "")
 
     # -- conversations ---------------------------------------------------------------------------
     def new_chat(self) -> None:
@@ -378,11 +379,9 @@ class ChatView(QWidget):
         try:
             Path(path).write_text(text, encoding="utf-8")
         except OSError as err:
-            self.status.setText(f"could not export to {path}: {err.strerror or err}")
-            set_tone(self.status, "bad")
+            self._say(f"could not export to {path}: {err.strerror or err}", "bad")
             return None
-        self.status.setText(f"exported to {path}")
-        set_tone(self.status, "muted")
+        self._say(f"exported to {path}", "muted")
         return Path(path)
 
     def refresh_list(self) -> None:
@@ -474,6 +473,7 @@ class ChatView(QWidget):
     def _add_bubble(self, bubble: MessageWidget) -> None:
         self.bubbles.append(bubble)
         self.column.insertWidget(self.column.count() - 1, bubble)
+        bubble.body.copied.connect(lambda text: self._say(f"copied {len(text.splitlines())} line(s) of code"))
         if bubble.role == "user":
             bubble.edit_submitted.connect(lambda text, b=bubble: self._edit_bubble(b, text))
         else:
@@ -576,8 +576,7 @@ class ChatView(QWidget):
             item.setToolTip(help_text if why is None else f"{help_text}\nunavailable: {why}")
         current = self.mode.currentText()
         if support and support.get(current) is not None and support.get("auto", "x") is None:
-            self.status.setText(f"mode {current} is not available with this model ({support[current]}); using auto")
-            set_tone(self.status, "warn")
+            self._say(f"mode {current} is not available with this model ({support[current]}); using auto", "warn")
             self.mode.setCurrentText("auto")
 
     # -- worker replies ----------------------------------------------------------------------------
@@ -651,8 +650,7 @@ class ChatView(QWidget):
         if turn.conv is self.conv:
             turn.bubble.set_text(text)
             turn.bubble.set_footer(turn_stats(result), "muted")
-        self.status.setText("stopped" if result.get("finish_reason") == "cancelled" else "")
-        set_tone(self.status, "")
+        self._say("stopped" if result.get("finish_reason") == "cancelled" else "", "")
         self._done()
 
     def _save_turn(self, turn: Turn, answer: Message) -> None:
@@ -687,8 +685,7 @@ class ChatView(QWidget):
             self._show(self.conv)
             if not self.input.toPlainText().strip():
                 self.input.setPlainText(turn.user.content)
-        self.status.setText(message)
-        set_tone(self.status, tone)
+        self._say(message, tone)
         self._done()
 
     def _done(self) -> None:

@@ -94,6 +94,8 @@ class MessageWidget(QFrame):
     def copy(self) -> str:
         text = markdown_render.plain_text(self.content) if self.role == "assistant" else self.content
         QGuiApplication.clipboard().setText(text)
+        self.copy_button.setText("Copied")
+        QTimer.singleShot(1200, self.copy_button, lambda: self.copy_button.setText("Copy"))
         return text
 
     def start_edit(self) -> None:
