@@ -257,6 +257,20 @@ def test_conversation_turn_in_flight_is_not_on_disk_until_it_ends(make_win, qtbo
     assert [m.content for m in after][:1] == ["w40"] and len(after) == 2
 
 
+def test_history_file_unreadable_is_reported_and_left_alone(make_win, qtbot):
+    junk = b"not a database, and not ours to overwrite " * 50
+    history_path().parent.mkdir(parents=True, exist_ok=True)
+    history_path().write_bytes(junk)
+    win = make_win()
+    chat = win.chat
+    assert "unreadable" in chat.status.text() and "kept only until you quit" in chat.status.text()
+    greedy(chat, 4)
+    answer(qtbot, win, lambda: chat.send("w5 w6"))  # the chat works, in memory
+    assert chat.sidebar.ids() == [chat.conv.id] and len(chat.messages) == 2
+    win.shutdown()
+    assert history_path().read_bytes() == junk
+
+
 # -- regenerate, edit, stop ------------------------------------------------------------------------------
 def test_regenerate_gives_what_a_fresh_run_of_the_same_history_gives(make_win, qtbot):
     win = make_win()
@@ -482,22 +496,22 @@ def test_conversation_model_switch_keeps_the_chat(make_win, qtbot):
     assert "--draft-model" in draft.toolTip()
     greedy(chat, 4)
     answer(qtbot, win, lambda: chat.send("w5 w6"))
-    names = [chat.model_box.itemData(i) for i in range(chat.model_box.count())]
+    names = [chat.header.model_box.itemData(i) for i in range(chat.header.model_box.count())]
     assert TARGET in names and "org/tiny-dspark" not in names  # targets only
     loading = []
-    win.bridge.model_loading.connect(lambda what: loading.append(not chat.load_bar.isHidden()))
+    win.bridge.model_loading.connect(lambda what: loading.append(not chat.header.load_bar.isHidden()))
     with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS) as sig:
-        chat.model_box.activated.emit(names.index(TARGET))
+        chat.header.model_box.activated.emit(names.index(TARGET))
     assert loading == [True] and sig.args[0]["spec"] == TARGET
-    assert chat.model_box.currentData() == TARGET and chat.load_bar.isHidden()
+    assert chat.header.model_box.currentData() == TARGET and chat.header.load_bar.isHidden()
     assert chat.messages[0]["content"] == "w5 w6" and len(chat.messages) == 2  # the chat stays
     answer(qtbot, win, lambda: chat.send("w7"))
     assert len(win.engines) == 2 and win.engines[-1].encoded  # the new model answered
 
     with qtbot.waitSignal(win.bridge.model_failed, timeout=WAIT_MS):
-        chat.switch_model("org/broken")
+        chat.header.switch_model("org/broken")
     assert "planted failure" in chat.banner_text.text() and not chat.banner.isHidden()
-    assert chat.model_box.currentData() == TARGET and chat.model_box.isEnabled()
+    assert chat.header.model_box.currentData() == TARGET and chat.header.model_box.isEnabled()
     assert answer(qtbot, win, lambda: chat.send("w8"))["tokens"] == 4
 
 
@@ -517,6 +531,6 @@ def test_conversation_uses_mode_support_cached_tokens_and_clears_the_cache(make_
     chat.new_chat()
     qtbot.waitUntil(lambda: eng.clears == 1, timeout=WAIT_MS)
     with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS):
-        chat.switch_model(TARGET)
+        chat.header.switch_model(TARGET)
     assert eng.clears == 2  # the replaced model's cache is dropped with it
     assert threading.current_thread() is threading.main_thread()

@@ -13,18 +13,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from PySide6.QtCore import QPoint, Qt, QTimer, Signal
-from PySide6.QtWidgets import (QComboBox, QFileDialog, QFrame, QHBoxLayout, QMenu, QMessageBox, QProgressBar,
-                               QPushButton, QScrollArea, QVBoxLayout, QWidget)
+from PySide6.QtCore import QPoint, Qt, QTimer
+from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QMenu, QMessageBox, QProgressBar, QPushButton,
+                               QScrollArea, QVBoxLayout, QWidget)
 
 from app import conversations as history
-from app import hub
 from app.bridge import Bridge
 from app.conversations import Conversation, ConversationStore, Message
 from app.settings import AppSettings, history_path, sampling_settings
-from app.views.chat_widgets import (ConversationList, ElidedLabel, MessageWidget, ModelCombo, ParametersPanel,
-                                   PromptEdit)
-from app.views.common import MODE_HELP, MODES, hbox, plain_label, set_tone, turn_stats
+from app.views.chat_header import ChatHeader
+from app.views.chat_widgets import ConversationList, MessageWidget, ParametersPanel, PromptEdit
+from app.views.common import hbox, plain_label, set_tone, turn_stats
 from engine.errors import TandemError
 
 WELCOME = ("Ask anything. Replies stream from the local model. Pick a decoding mode above: at temperature 0 "
@@ -48,8 +47,6 @@ class Turn:
 
 
 class ChatView(QWidget):
-    conversation_changed = Signal()  # another chat is shown (or its title changed)
-
     def __init__(self, bridge: Bridge, settings: Optional[AppSettings] = None,
                  store: Optional[ConversationStore] = None, cache_dir: Optional[str] = None,
                  parent: Optional[QWidget] = None):
@@ -66,7 +63,6 @@ class ChatView(QWidget):
         self.last_result: Optional[dict] = None
         self._deleted: set[int] = set()
         self._follow = True
-        self._model_entries: list[hub.ModelEntry] = []
         # Asked before deleting / for an export path; tests replace them (dialogs would block).
         self.confirm: Callable[[str, str], bool] = self._ask
         self.ask_save_path: Callable[[str, str, str], Optional[str]] = self._ask_path
@@ -99,37 +95,13 @@ class ChatView(QWidget):
         self.max_tokens, self.seed = self.panel.max_tokens, self.panel.seed
         self.system_prompt = self.panel.system_prompt
 
-        # header: title, model, drafter, mode, parameters
-        self.title = ElidedLabel("chatTitle")
-        self.title.setTextFormat(Qt.PlainText)
-        self.model_box = ModelCombo()
-        self.model_box.setObjectName("modelPicker")
-        self.model_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
-        self.model_box.setMinimumContentsLength(22)
-        self.model_box.setToolTip("The model that answers; switching keeps this chat")
-        self.model_box.about_to_open.connect(self.refresh_models)
-        self.model_box.activated.connect(self._on_model_chosen)
-        self.drafter_label = plain_label("", "hint", wrap=False)
-        self.load_bar = QProgressBar()
-        self.load_bar.setRange(0, 0)
-        self.load_bar.setFixedSize(70, 8)
-        self.load_bar.setTextVisible(False)
-        self.load_bar.hide()
-        self.mode = QComboBox()
-        self.mode.addItems(MODES)
-        for i, m in enumerate(MODES):
-            self.mode.setItemData(i, MODE_HELP[m], Qt.ToolTipRole)
-        self.mode.setToolTip("Decoding mode for this chat")
+        self.header = ChatHeader(bridge, cache_dir)
+        self.title, self.mode, self.params_button = self.header.title, self.header.mode, self.header.params_button
         self.mode.currentTextChanged.connect(self._on_mode_changed)
-        self.params_button = QPushButton("Parameters")
-        self.params_button.setObjectName("secondary")
-        self.params_button.setCheckable(True)
         self.params_button.setChecked(self.settings.show_parameters)
-        self.params_button.setToolTip("System prompt and sampling for this chat")
         self.params_button.toggled.connect(self.show_parameters)
-        mode_label = plain_label("Mode", "fieldLabel", wrap=False)
-        root.addLayout(hbox((self.title, 1), self.load_bar, self.model_box, self.drafter_label, mode_label, self.mode,
-                            self.params_button))
+        self.header.notice.connect(lambda text: self._say(text, "warn"))
+        root.addWidget(self.header)
 
         # banner: loading / failed load
         self.banner = QFrame()
@@ -184,18 +156,18 @@ class ChatView(QWidget):
         b.model_loading.connect(self._on_loading)
         b.model_loaded.connect(self._on_loaded)
         b.model_failed.connect(self._on_load_failed)
-        b.registry_rows.connect(lambda rows: self.refresh_models())
         b.gen_started.connect(self._on_started)
         b.gen_text.connect(self._on_text)
         b.gen_finished.connect(self._on_finished)
         b.gen_failed.connect(self._on_failed)
 
-        self.refresh_models()
         last = self.settings.last_conversation
         restored = self.store.load(last) if last is not None else None
         self._show(restored or self.conv)
         self.refresh_list()
         self._update_button()
+        if self.history_error:
+            self._say(self.history_error, "warn")
 
     # -- the history file ------------------------------------------------------------------------
     def _open_store(self) -> ConversationStore:
@@ -427,7 +399,6 @@ class ChatView(QWidget):
         self._follow = True
         self._update_actions()
         QTimer.singleShot(0, self._scroll_to_end)
-        self.conversation_changed.emit()
 
     def _show_title(self) -> None:
         self.title.set_full_text(self.conv.display_title)
@@ -502,106 +473,21 @@ class ChatView(QWidget):
         bar = self.scroll.verticalScrollBar()
         bar.setValue(bar.maximum())
 
-    # -- model ---------------------------------------------------------------------------------------
-    def refresh_models(self) -> None:
-        """The targets that can be loaded (built-in and cached), the loaded one selected."""
-        try:
-            entries, _ = hub.list_models(self.cache_dir, rows=self.bridge.pairs)
-        except Exception:  # an unreadable cache: the built-in models still show
-            entries = hub.builtin_entries(rows=self.bridge.pairs)
-        self._model_entries = entries
-        targets = [e for e in entries if e.kind == "target" and e.installed and e.complete]
-        info = self.bridge.model_info
-        box = self.model_box
-        box.blockSignals(True)
-        box.clear()
-        current = -1
-        for e in targets:
-            box.addItem(e.display_name or e.name, e.name)
-            box.setItemData(box.count() - 1, f"{e.name} · {e.size_str}" + (f" · drafter {e.pair}" if e.pair else ""),
-                            Qt.ToolTipRole)
-            if current < 0 and hub.entry_is_loaded(e, info):
-                current = box.count() - 1
-        if current < 0 and info:  # loaded from elsewhere (a path, a download in progress...)
-            box.insertItem(0, info.get("name", "?"), info.get("spec"))
-            current = 0
-        if current < 0 and not info:
-            box.insertItem(0, "no model", None)
-            current = 0
-        box.setCurrentIndex(current)
-        box.blockSignals(False)
-
-    def _on_model_chosen(self, index: int) -> None:
-        name = self.model_box.itemData(index)
-        entry = next((e for e in self._model_entries if e.name == name), None)
-        if entry is None or hub.entry_is_loaded(entry, self.bridge.model_info):
-            return
-        cached = {e.name for e in self._model_entries}
-        self.switch_model(entry.name, entry.pair if entry.pair in cached else None)
-
-    def switch_model(self, spec: Optional[str], drafter: Optional[str] = None) -> None:
-        """Load another model in the worker; this chat stays and continues with it."""
-        self.bridge.load(spec, drafter)
-
-    def _show_drafter(self, info: dict) -> None:
-        """The drafter next to the model: the one loaded with it, else the one auto picks."""
-        drafter = info.get("drafter") or info.get("auto_drafter") if info else None
-        auto = info.get("auto_mode") if info else None
-        if not info:
-            text, tip = "", ""
-        elif drafter:
-            text = f"+ {drafter.rstrip('/').split('/')[-1]}"
-            tip = f"drafter {drafter}" + (f"\nauto runs {auto}" if auto else "")
-        else:
-            text = "no drafter" + (f" · auto = {auto}" if auto else "")
-            tip = "no drafter model for this target: auto uses prompt lookup; load one from the Models tab"
-        self.drafter_label.setText(text)
-        self.drafter_label.setToolTip(tip)
-
-    def _apply_mode_support(self, support: Optional[dict]) -> None:
-        """Grey out the modes this model cannot run (reason as the tooltip); None: all offered."""
-        model = self.mode.model()
-        for i in reversed(range(self.mode.count())):  # modes a previous model added
-            if self.mode.itemText(i) not in MODES and self.mode.itemText(i) not in (support or {}):
-                self.mode.removeItem(i)
-        for mode in (support or {}):
-            if self.mode.findText(mode) < 0:
-                self.mode.addItem(mode)
-        for i in range(self.mode.count()):
-            mode = self.mode.itemText(i)
-            why = (support or {}).get(mode)
-            item = model.item(i)
-            item.setEnabled(why is None)
-            help_text = MODE_HELP.get(mode, mode)
-            item.setToolTip(help_text if why is None else f"{help_text}\nunavailable: {why}")
-        current = self.mode.currentText()
-        if support and support.get(current) is not None and support.get("auto", "x") is None:
-            self._say(f"mode {current} is not available with this model ({support[current]}); using auto", "warn")
-            self.mode.setCurrentText("auto")
-
     # -- worker replies ----------------------------------------------------------------------------
     def _on_loading(self, what: str) -> None:
         self.model_ready = False
-        self.load_bar.show()
-        self.model_box.setEnabled(False)
-        if not self.bridge.model_info:  # the first load: the big banner
+        if not self.bridge.model_info:  # the first load: the big banner (a switch shows in the header)
             self.banner_text.setText(f"Loading {what}…  (first start converts the model once; later starts are quick)")
             self.banner_bar.show()
             set_tone(self.banner_text, "")
             self.banner.show()
         else:
             self.banner.hide()
-            self.drafter_label.setText(f"loading {what}…")
         self._update_button()
 
     def _on_loaded(self, info: dict) -> None:
         self.model_ready = True
         self.banner.hide()
-        self.load_bar.hide()
-        self.model_box.setEnabled(True)
-        self._show_drafter(info)
-        self.refresh_models()
-        self._apply_mode_support(info.get("mode_support"))
         self._update_button()
         self.input.setFocus()
 
@@ -611,10 +497,6 @@ class ChatView(QWidget):
         set_tone(self.banner_text, "bad")
         self.banner_bar.hide()
         self.banner.show()
-        self.load_bar.hide()
-        self.model_box.setEnabled(True)
-        self._show_drafter(self.bridge.model_info)
-        self.refresh_models()  # back to the model still loaded
         self._update_button()
 
     def _on_started(self, rid: int, info: dict) -> None:

@@ -124,6 +124,7 @@ class ElidedLabel(QLabel):
         super().__init__()
         self.setObjectName(object_name)
         self.full_text = ""
+        self.setTextFormat(Qt.PlainText)
         self.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.setMinimumWidth(60)
 
