@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QComboBox, QProgressBar, QPushButton, QWidget
+from PySide6.QtWidgets import QComboBox, QProgressBar, QPushButton, QVBoxLayout, QWidget
 
 from app import hub
 from app.bridge import Bridge
@@ -46,8 +46,12 @@ class ChatHeader(QWidget):
         self.params_button.setObjectName("secondary")
         self.params_button.setCheckable(True)
         self.params_button.setToolTip("System prompt and sampling for this chat")
-        self.setLayout(hbox((self.title, 1), self.load_bar, self.model_box, self.drafter_label,
-                            plain_label("Mode", "fieldLabel", wrap=False), self.mode, self.params_button))
+        rows = QVBoxLayout(self)
+        rows.setContentsMargins(0, 0, 0, 0)
+        rows.setSpacing(6)
+        rows.addLayout(hbox((self.title, 1), self.params_button))
+        rows.addLayout(hbox(plain_label("Model", "fieldLabel", wrap=False), self.model_box, self.load_bar,
+                            self.drafter_label, None, plain_label("Mode", "fieldLabel", wrap=False), self.mode))
 
         bridge.model_loading.connect(self._on_loading)
         bridge.model_loaded.connect(self._on_loaded)
