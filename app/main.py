@@ -105,12 +105,10 @@ class MainWindow(QMainWindow):
     def _build_menus(self) -> None:
         chat = self.chat
 
-        def action(menu, text: str, slot, keys=None, tip: str = "") -> QAction:
+        def action(menu, text: str, slot, keys=None) -> QAction:
             act = QAction(text, self)
             if keys is not None:
                 act.setShortcuts(keys if isinstance(keys, list) else [QKeySequence(keys)])
-            if tip:
-                act.setStatusTip(tip)
             act.triggered.connect(slot)
             menu.addAction(act)
             return act

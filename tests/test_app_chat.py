@@ -241,6 +241,24 @@ def test_conversation_crash_mid_turn_loses_only_that_turn(tmp_path):
                                                             ("assistant", ast.literal_eval(first_answer))]
 
 
+def test_conversation_quit_mid_answer_keeps_what_was_written(make_win, qtbot):
+    """Quitting stops the answer within a round; the part already written is saved, marked stopped."""
+    win = make_win()
+    chat = win.chat
+    greedy(chat, 4000)
+    chunks = []
+    with qtbot.waitSignal(win.bridge.gen_text, timeout=WAIT_MS):
+        chat.send("w5 w6")
+    win.bridge.gen_text.connect(lambda rid, text: chunks.append(text))
+    qtbot.waitUntil(lambda: len(chunks) >= 3, timeout=WAIT_MS)
+    cid_before = chat.conv.id
+    win.shutdown()
+    assert cid_before is None and chat.conv.id is not None  # the chat was created by that save
+    saved = stored(chat.conv.id)
+    assert saved.messages[0].content == "w5 w6" and saved.messages[1].stats["finish_reason"] == "cancelled"
+    assert 0 < saved.messages[1].stats["tokens"] < 4000 and saved.messages[1].content.strip()
+
+
 def test_conversation_turn_in_flight_is_not_on_disk_until_it_ends(make_win, qtbot):
     """Also for an edit: the turns it replaces stay on disk until the new answer is complete."""
     win = make_win()
