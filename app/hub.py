@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import urllib.request
 from dataclasses import dataclass, field

@@ -24,7 +24,8 @@ from app.conversations import ConversationStore
 from app.main import MainWindow
 from app.settings import AppSettings, history_path
 from app.views.chat_widgets import MessageWidget
-from app.views.race import Lane
+from app.bridge import Bridge
+from app.views.race import RaceView
 from engine.errors import TandemError
 from engine.generate import Engine
 from tests.test_app_gui import tiny_engine
@@ -443,16 +444,25 @@ def test_markdown_streaming_renders_the_last_message_only_and_keeps_the_scroll(m
     assert bar.maximum() > tops[0]
 
 
-def test_markdown_race_lane_renders_code(qtbot):
-    lane = Lane(1, "lookup")
-    qtbot.addWidget(lane)
+def test_markdown_race_lanes_render_code(qtbot):
+    race = RaceView(Bridge())
+    qtbot.addWidget(race)
+    race._make_lanes(["baseline", "lookup"])
+    lane = race.lanes[1]
     pieces = ["Code:", "\n\n```", "python\n", "x = 1\n", "```\n"]
-    lane.data = {"pieces": pieces, "token_ids": list(range(len(pieces))), "mode": "lookup"}
-    lane.render_upto(len(pieces))
+    for piece in pieces:  # while the lane runs: its text as Markdown
+        lane.append_live(piece)
     assert "x = 1" in lane.body.toPlainText() and "```" not in lane.body.toPlainText()
-    lane.markdown = False  # the token view: raw text, each token coloured by its diff
-    lane.render_upto(len(pieces))
+    lane.data = {"pieces": pieces, "token_ids": list(range(len(pieces))), "mode": "lookup",
+                 "sources": ["target"] * len(pieces)}
+    lane.render_upto(len(pieces))  # the replay: the raw tokens, each coloured by source and diff
+    assert "```" in lane.body.toPlainText() and not race.legend.isHidden()
+    race.markdown_box.setChecked(True)
+    assert "```" not in lane.body.toPlainText() and "x = 1" in lane.body.toPlainText() and race.legend.isHidden()
+    race.markdown_box.setChecked(False)
+    theme.apply(QGuiApplication.instance(), "dark")  # a theme change re-renders Markdown, not the token view
     assert "```" in lane.body.toPlainText()
+    theme.apply(QGuiApplication.instance(), "light")
 
 
 # -- settings ----------------------------------------------------------------------------------------------
@@ -514,12 +524,17 @@ def test_conversation_model_switch_keeps_the_chat(make_win, qtbot):
     assert "--draft-model" in draft.toolTip()
     greedy(chat, 4)
     answer(qtbot, win, lambda: chat.send("w5 w6"))
-    names = [chat.header.model_box.itemData(i) for i in range(chat.header.model_box.count())]
-    assert TARGET in names and "org/tiny-dspark" not in names  # targets only
+    box = chat.header.model_box
+
+    def names():
+        return [box.itemData(i) for i in range(box.count())]
+
+    qtbot.waitUntil(lambda: TARGET in names(), timeout=WAIT_MS)  # the Models tab's scan, on its thread
+    assert "org/tiny-dspark" not in names()  # targets only
     loading = []
     win.bridge.model_loading.connect(lambda what: loading.append(not chat.header.load_bar.isHidden()))
     with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS) as sig:
-        chat.header.model_box.activated.emit(names.index(TARGET))
+        box.activated.emit(names().index(TARGET))
     assert loading == [True] and sig.args[0]["spec"] == TARGET
     assert chat.header.model_box.currentData() == TARGET and chat.header.load_bar.isHidden()
     assert chat.messages[0]["content"] == "w5 w6" and len(chat.messages) == 2  # the chat stays

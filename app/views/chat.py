@@ -48,12 +48,10 @@ class Turn:
 
 class ChatView(QWidget):
     def __init__(self, bridge: Bridge, settings: Optional[AppSettings] = None,
-                 store: Optional[ConversationStore] = None, cache_dir: Optional[str] = None,
-                 parent: Optional[QWidget] = None):
+                 store: Optional[ConversationStore] = None, parent: Optional[QWidget] = None):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings or AppSettings()
-        self.cache_dir = cache_dir
         self.history_error = ""
         self.store = store or self._open_store()
         self.conv = self._new_conversation()
@@ -95,7 +93,7 @@ class ChatView(QWidget):
         self.max_tokens, self.seed = self.panel.max_tokens, self.panel.seed
         self.system_prompt = self.panel.system_prompt
 
-        self.header = ChatHeader(bridge, cache_dir)
+        self.header = ChatHeader(bridge)
         self.title, self.mode, self.params_button = self.header.title, self.header.mode, self.header.params_button
         self.mode.currentTextChanged.connect(self._on_mode_changed)
         self.params_button.setChecked(self.settings.show_parameters)

@@ -1,10 +1,13 @@
-"""The Chat tab's top row: the chat's title, the model (switchable from here, with its drafter and
-a load indicator), the decoding mode (modes the model cannot run are greyed, with the reason) and
-the Parameters toggle."""
+"""The Chat tab's top rows: the chat's title and the Parameters toggle; the model (switchable from
+here, with its drafter and a load indicator) and the decoding mode (modes the model cannot run are
+greyed, with the reason).
+
+The model list and loading are the Models tab's: the main window hands the header its ``entries``
+and ``load_entry`` (a header on its own lists nothing and loads by name)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QComboBox, QProgressBar, QPushButton, QVBoxLayout, QWidget
@@ -18,18 +21,18 @@ from app.views.common import MODE_HELP, MODES, hbox, plain_label
 class ChatHeader(QWidget):
     notice = Signal(str)  # something the user should know (a mode switched to auto)
 
-    def __init__(self, bridge: Bridge, cache_dir: Optional[str] = None):
+    def __init__(self, bridge: Bridge):
         super().__init__()
         self.bridge = bridge
-        self.cache_dir = cache_dir
-        self.entries: list[hub.ModelEntry] = []
+        self.entries: Callable[[], list[hub.ModelEntry]] = list
+        self.load_entry: Callable[[hub.ModelEntry], None] = lambda e: self.switch_model(e.spec)
         self.title = ElidedLabel("chatTitle")
         self.model_box = ModelCombo()
         self.model_box.setObjectName("modelPicker")
         self.model_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
         self.model_box.setMinimumContentsLength(22)
         self.model_box.setToolTip("The model that answers; switching keeps this chat")
-        self.model_box.about_to_open.connect(self.refresh_models)
+        self.model_box.about_to_open.connect(self.refresh_models)  # a model downloaded meanwhile shows up
         self.model_box.activated.connect(self._on_model_chosen)
         self.drafter_label = plain_label("", "hint", wrap=False)
         self.load_bar = QProgressBar()
@@ -56,26 +59,21 @@ class ChatHeader(QWidget):
         bridge.model_loading.connect(self._on_loading)
         bridge.model_loaded.connect(self._on_loaded)
         bridge.model_failed.connect(self._on_failed)
-        bridge.registry_rows.connect(lambda rows: self.refresh_models())
         self.refresh_models()
 
     # -- the model list ------------------------------------------------------------------------------
+    def loadable(self) -> list[hub.ModelEntry]:
+        return [e for e in self.entries() if e.kind == "target" and e.installed and e.complete and not e.problem]
+
     def refresh_models(self) -> None:
-        """The targets that can be loaded (built-in and cached), the loaded one selected."""
-        try:
-            entries, _ = hub.list_models(self.cache_dir, rows=self.bridge.pairs)
-        except Exception:  # an unreadable cache: the built-in models still show
-            entries = hub.builtin_entries(rows=self.bridge.pairs)
-        self.entries = entries
+        """The targets that can be loaded, the loaded one selected."""
         info = self.bridge.model_info
         box = self.model_box
         box.blockSignals(True)
         box.clear()
         current = -1
-        for e in entries:
-            if e.kind != "target" or not e.installed or not e.complete:
-                continue
-            box.addItem(e.display_name or e.name, e.name)
+        for e in self.loadable():
+            box.addItem(e.display_name or e.name, e.key)
             box.setItemData(box.count() - 1, f"{e.name} · {e.size_str}" + (f" · drafter {e.pair}" if e.pair else ""),
                             Qt.ToolTipRole)
             if current < 0 and hub.entry_is_loaded(e, info):
@@ -87,12 +85,10 @@ class ChatHeader(QWidget):
         box.blockSignals(False)
 
     def _on_model_chosen(self, index: int) -> None:
-        name = self.model_box.itemData(index)
-        entry = next((e for e in self.entries if e.name == name), None)
-        if entry is None or hub.entry_is_loaded(entry, self.bridge.model_info):
-            return
-        cached = {e.name for e in self.entries}
-        self.switch_model(entry.name, entry.pair if entry.pair in cached else None)
+        key = self.model_box.itemData(index)
+        entry = next((e for e in self.loadable() if e.key == key), None)
+        if entry is not None and not hub.entry_is_loaded(entry, self.bridge.model_info):
+            self.load_entry(entry)
 
     def switch_model(self, spec: Optional[str], drafter: Optional[str] = None) -> None:
         """Load another model in the worker; the chat stays and continues with it."""

@@ -47,9 +47,14 @@ class MarkdownView(QTextBrowser):
             self._fit()
 
     def setHtml(self, text: str) -> None:
-        """HTML from the caller (Race's token view) replaces the Markdown: a theme change keeps it."""
+        """HTML from the caller replaces the Markdown: a theme change keeps it."""
         self.markdown = ""
         super().setHtml(text)
+
+    def clear(self) -> None:
+        """Cleared for other content (Race's coloured tokens): a theme change keeps that too."""
+        self.markdown = ""
+        super().clear()
 
     def _on_theme(self, name: str) -> None:
         if self.markdown:

@@ -9,10 +9,9 @@ engine worker through the bridge.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QMessageBox, QPushButton, QSplitter, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
@@ -33,6 +32,8 @@ def _short(pair: Optional[str]) -> str:
 
 
 class ModelsView(QWidget):
+    listed = Signal()  # the model list was (re)scanned: the chat's model picker follows
+
     def __init__(self, bridge: Bridge, cache_dir: Optional[str] = None, endpoint: Optional[str] = None,
                  parent: Optional[QWidget] = None):
         super().__init__(parent)
@@ -144,6 +145,7 @@ class ModelsView(QWidget):
     def _on_scanned(self, result: tuple) -> None:
         self.entries, self.warnings = list(result[0]), list(result[1])
         self.redraw()
+        self.listed.emit()
         if self.select_after_scan and self.select(self.select_after_scan):
             self.select_after_scan = None
         self.hub_panel.redraw()  # its "in cache" column
@@ -273,8 +275,12 @@ class ModelsView(QWidget):
     # -- load / evict --------------------------------------------------------------------------
     def load_selected(self) -> None:
         e = self.selected_entry()
-        if e is None:
-            return
+        if e is not None:
+            self.load_entry(e)
+
+    def load_entry(self, e: hub.ModelEntry) -> None:
+        """Load a listed model (with its registry drafter when that is at hand); the chat's model
+        picker loads through here too."""
         if e.problem:
             self._say(f"{e.name}: {e.problem}", "warn")
             return
