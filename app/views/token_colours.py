@@ -17,6 +17,7 @@ SOURCE_COLOURS = {"lookup": "#fde68a", "drafter": "#bfdbfe"}
 SOURCE_LABELS = {"lookup": "lookup draft, accepted", "drafter": "drafter model's draft, accepted",
                  "target": "the target's own token"}
 AFTER_COLOUR = "#b91c1c"
+TINTED_TEXT = "#111827"  # dark text on the light tints, also in the dark theme (light text would vanish)
 
 
 def token_format(source: str, diff: str = "same") -> QTextCharFormat:
@@ -24,6 +25,7 @@ def token_format(source: str, diff: str = "same") -> QTextCharFormat:
     fmt = QTextCharFormat()
     if source in SOURCE_COLOURS:
         fmt.setBackground(QColor(SOURCE_COLOURS[source]))
+        fmt.setForeground(QColor(TINTED_TEXT))
     if diff == "diverged":  # the first token that differs from baseline: unmissable
         fmt.setBackground(QColor(BAD))
         fmt.setForeground(QColor("white"))
