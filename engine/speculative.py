@@ -2,9 +2,10 @@
 
 Per round: the drafter proposes up to ``cap`` tokens after the anchor (the last committed token);
 the target runs one forward over ``[anchor] + drafts`` and its own choice at each row decides
-what is committed (greedy: the argmax; sampling: the speculative-sampling rule); the rejected
-rows are trimmed from the target's KV cache, so the cache is exactly what a forward over the
-committed tokens would have left. A round always commits at least one token.
+what is committed (greedy: the argmax; sampling: the speculative-sampling rule); the verify's
+cache transaction (engine/caches.py) then keeps only the committed rows, so every layer's cache,
+full attention, sliding window or recurrent state, is what a forward over the committed tokens
+would have left. A round always commits at least one token.
 
 With no drafter (baseline) or no proposal, a round is one plain target step. Baseline steps are
 pipelined the way ``mlx_lm.generate`` does it: the next forward is queued before the current
@@ -150,12 +151,12 @@ def decode(
         anchor = mx.array([ids[-1]], dtype=mx.uint32)
         verify_ids = mx.concatenate([anchor, draft.tokens.astype(mx.uint32)]) if k else anchor
         t_verify = time.perf_counter()
-        logits, hidden = target.forward(verify_ids[None], cache, tap=tap)
+        logits, hidden, txn = target.verify(verify_ids[None], cache, tap=tap)
         if sampler.greedy:
             n, committed = accept_greedy(verify_ids[1:], logits)
         else:
             n, committed = accept_sampled(verify_ids[1:], draft.probs if k else None, logits, sampler)
-        target.rollback(cache, k - n)
+        txn.commit(n + 1)
         t_end = time.perf_counter()
         ids.extend(committed)
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)

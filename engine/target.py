@@ -1,4 +1,4 @@
-"""The target model wrapper: logits for chosen rows, a hidden-state tap, KV rollback.
+"""The target model wrapper: logits for chosen rows, a hidden-state tap, cache transactions.
 
 mlx-lm models return logits only. DSpark and DFlash drafters read the residual stream after a
 few decoder layers ("tap layers"), so the wrapper swaps those layers for thin proxies that keep
@@ -10,6 +10,11 @@ The forward is split into trunk (``model.model``: embeddings, layers, final norm
 (``lm_head`` or the tied embedding), so prefill and plain steps apply the head to the rows that
 matter only. The split is probed as well; when it does not reproduce the model's logits the
 wrapper falls back to the full model call.
+
+A verify forward runs inside a cache transaction (engine/caches.py): ``verify`` returns it and the
+loop commits the accepted rows. Models with recurrent state get a recorder (engine/recurrent.py)
+whose rollback is proved on the model at load; a cache the engine cannot roll back is reported by
+``speculation_blocker`` and the model runs baseline only.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from engine import caches, recurrent
 from engine.errors import TandemError
 
 PROBE_TOLERANCE = 1e-3
@@ -63,6 +69,8 @@ def _trunk(model: nn.Module) -> nn.Module:
         lm = getattr(model, "language_model", None)
         inner = getattr(lm, "model", None)
     if inner is None or not hasattr(inner, "layers"):
+        inner = getattr(model, "backbone", None)  # Nemotron-H, Mamba
+    if inner is None or not hasattr(inner, "layers"):
         raise TandemError(f"{type(model).__module__}: no decoder layer list found; this architecture is not supported")
     return inner
 
@@ -70,7 +78,10 @@ def _trunk(model: nn.Module) -> nn.Module:
 class Target:
     """A loaded mlx-lm model with the calls the verify loop needs."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str = "target"):
+    def __init__(self, model: nn.Module, tokenizer: Any = None, name: str = "target",
+                 rollback_method: str | None = None):
+        """``rollback_method``: how recurrent state is rewound (engine/recurrent.py); default
+        from TANDEM_RECURRENT_ROLLBACK, else per-position states."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -80,6 +91,12 @@ class Target:
         self.tap_layers: tuple[int, ...] = ()
         self._sink = _TapSink()
         self.forwards = 0  # target forward passes, for telemetry
+        self.kv_bits: int | None = None  # full-attention layers' K/V quantized to these bits
+        fresh = make_prompt_cache(model)
+        self._blocker = caches.blocker(fresh)
+        self.recorder = None
+        if self._blocker is None and caches.has_recurrent(fresh):
+            self.recorder = recurrent.Recorder(self.layers, rollback_method)
         probe = self._probe_ids()
         reference = self._full_logits(probe)
         self._split = False
@@ -90,6 +107,8 @@ class Target:
         except Exception:  # a model whose trunk has a different signature: use the full call
             self._split = False
         self.vocab_size = int(reference.shape[-1])
+        if self.recorder is not None:
+            self._blocker = self._prove_rollback()
 
     # -- construction helpers -------------------------------------------------------------
     def _probe_ids(self) -> mx.array:
@@ -107,11 +126,17 @@ class Target:
         return out
 
     def head(self, h: mx.array) -> mx.array:
-        if getattr(self.model, "lm_head", None) is not None and not getattr(
-            getattr(self.model, "args", None), "tie_word_embeddings", False
+        outer = getattr(self.model, "language_model", self.model)  # VLM-style wrappers (Qwen3.5)
+        if getattr(outer, "lm_head", None) is not None and not getattr(
+            getattr(outer, "args", None), "tie_word_embeddings", False
         ):
-            return self.model.lm_head(h)
-        return self.trunk.embed_tokens.as_linear(h)
+            return outer.lm_head(h)
+        return self.embed_tokens.as_linear(h)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        embed = getattr(self.trunk, "embed_tokens", None)
+        return embed if embed is not None else self.trunk.embeddings  # Nemotron-H names it so
 
     def set_taps(self, layer_ids: Sequence[int]) -> None:
         """Tap the outputs of these decoder layers (0-based; the final layer is refused
@@ -146,11 +171,37 @@ class Target:
 
     # -- the calls the loop makes -------------------------------------------------------------
     def new_cache(self) -> list:
-        return make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model)
+        return caches.quantize_kv(cache, self.kv_bits) if self.kv_bits else cache
+
+    def set_kv_bits(self, bits: int | None) -> None:
+        """Quantize full-attention K/V to ``bits`` (4 or 8, group size 64; None: off). Probed with
+        a forward first; refused in one line when the model's attention cannot take it."""
+        if bits is not None and bits not in caches.KV_BITS:
+            raise TandemError(f"kv bits must be one of {', '.join(map(str, caches.KV_BITS))}, got {bits}")
+        previous, self.kv_bits = self.kv_bits, bits
+        if not bits:
+            return
+        try:
+            logits, _ = self.forward(self._probe_ids(), self.new_cache())
+            self.forwards -= 1
+            ok = bool(mx.all(mx.isfinite(logits)).item())
+        except Exception as e:  # e.g. a head dim that is not a multiple of the group size
+            ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            why = "non-finite logits"
+        if not ok:
+            self.kv_bits = previous
+            raise TandemError(f"{bits}-bit KV cache refused for {self.name} ({why})")
+
+    def speculation_blocker(self) -> str | None:
+        """Why rejected drafts cannot be rolled back out of this model's caches (speculation is
+        refused and baseline runs), or None."""
+        return self._blocker
 
     @property
     def can_rollback(self) -> bool:
-        return can_trim_prompt_cache(self.new_cache())
+        return self._blocker is None
 
     def forward(
         self, ids: mx.array, cache: list, *, last_only: bool = False, tap: bool = False
@@ -196,11 +247,70 @@ class Target:
         hidden = mx.concatenate(hiddens, axis=0) if hiddens else None
         return logits[-1], hidden
 
+    def verify(self, ids: mx.array, cache: list, *, tap: bool = False
+               ) -> tuple[mx.array, mx.array | None, caches.Verify]:
+        """``forward`` inside a cache transaction: commit the accepted rows with
+        ``txn.commit(kept)`` and the caches end as if only those had been fed."""
+        width = int(ids.shape[1])
+        txn = caches.Verify(cache, width, rerun=lambda kept: self._feed(ids[:, :kept], cache))
+        if self.recorder is None or width == 1:
+            logits, hidden = self.forward(ids, cache, tap=tap)
+            return logits, hidden, txn
+        with self.recorder.record() as recording:
+            logits, hidden = self.forward(ids, cache, tap=tap)
+        txn.rewinder = recording
+        return logits, hidden, txn
+
+    def _feed(self, ids: mx.array, cache: list) -> None:
+        """Append ``ids`` to the caches (no logits needed)."""
+        self.forwards += 1
+        self.trunk(ids, cache) if self._split else self.model(ids, cache=cache)
+
     @staticmethod
     def rollback(cache: list, n: int) -> None:
-        """Drop the last n rows (rejected drafts) from every layer's cache."""
+        """Drop the last n rows from every layer's cache by trimming (checked; refused for caches
+        that cannot trim, where a ``verify`` transaction is needed)."""
         if n > 0:
-            trim_prompt_cache(cache, n)
+            caches.trim_to(cache, caches.length(cache) - n)
+
+    def _prove_rollback(self) -> str | None:
+        """Prove on this model that a verify keeping 2 of 5 rows leaves the recurrent caches as a
+        clean forward over the kept tokens would (state and next logits); try the other method
+        when the chosen one fails. The reason speculation is refused, or None."""
+        ids = [(5 * i + 3) % max(2, self.vocab_size) for i in range(9)]
+        forwards = self.forwards
+        errors = []
+        try:
+            for method in (self.recorder.method, *(m for m in recurrent.METHODS if m != self.recorder.method)):
+                self.recorder.method = method
+                try:
+                    error = self._rollback_error(ids)
+                except Exception as e:  # a layer the recorder cannot replay
+                    error = f"{type(e).__name__}: {e}"
+                if error is None:
+                    return None
+                errors.append(f"{method}: {error}")
+        finally:
+            self.forwards = forwards
+        return f"rolling back its recurrent state failed the load-time check ({'; '.join(errors)})"
+
+    def _rollback_error(self, ids: list[int]) -> str | None:
+        cache = self.new_cache()
+        self.forward(mx.array([ids[:3]]), cache)
+        _, _, txn = self.verify(mx.array([ids[3:8]]), cache)
+        txn.commit(2)
+        clean = self.new_cache()
+        self.forward(mx.array([ids[:5]]), clean)
+        nxt = mx.array([[ids[8]]])
+        got, want = self.forward(nxt, cache)[0], self.forward(nxt, clean)[0]
+        mx.eval(got, want)
+        if not _close(got, want):
+            return f"next logits differ by {mx.abs(got - want).max().item():.3g}"
+        for a, b in zip(caches.leaves(cache), caches.leaves(clean)):
+            if type(a) is caches.ArraysCache and not all(
+                    (x is None) == (y is None) and (x is None or _close(x, y)) for x, y in zip(a.cache, b.cache)):
+                return "recurrent state differs from a clean forward"
+        return None
 
 
 def verify_tap(target: Target, probe: mx.array, reference: mx.array) -> None:

@@ -47,6 +47,11 @@ class Drafter:
     #: whether proposals depend on the drafter's own model (for cost calibration)
     has_model: bool = False
 
+    def speculation_blocker(self) -> str | None:
+        """Why this drafter cannot draft exactly here (e.g. a draft model whose cache cannot roll
+        back rejected drafts), or None."""
+        return None
+
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
         """A new sequence: the target has prefilled ``prompt_ids``; ``hidden`` holds the tapped
         rows for every prompt token (None without taps)."""

@@ -20,7 +20,7 @@ class DFlashDrafter(BlockDrafter):
     name = "dflash"
 
     def embed(self, ids: mx.array) -> mx.array:
-        e = self.target.trunk.embed_tokens(ids)  # raw table rows, as z-lab feeds them
+        e = self.target.embed_tokens(ids)  # raw table rows, as z-lab feeds them
         scale = self.cfg.input_embedding_scale
         return e * scale if scale != 1.0 else e
 

@@ -1,9 +1,14 @@
 """A small autoregressive draft model that shares the target's tokenizer.
 
 The classic two-model setup (e.g. Qwen2.5-Coder-0.5B drafting for 1.5B). The draft model keeps
-its own KV cache of committed tokens; each proposal feeds what it has not seen yet and then
-runs ``cap`` cheap steps. Its drafts stay on the device as a lazy graph, so the target's verify
+its own cache of committed tokens; each proposal feeds what it has not seen yet and then runs
+``cap`` cheap steps. Its drafts stay on the device as a lazy graph, so the target's verify
 forward is queued behind them without a host round trip.
+
+The draft steps write their rows into the draft model's cache. At the next proposal the rows of
+rejected drafts go: full-attention caches trim them (checked); a draft model with sliding
+windows or recurrent state (Gemma-3, Qwen3.5 as drafters) returns to the savepoint taken before
+the draft steps (engine/caches.py) and feeds the accepted drafts again with the new tokens.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from engine import caches
 from engine.drafters.base import Draft, Drafter
 from engine.errors import TandemError
 from engine.sampling import Sampler
@@ -37,12 +43,24 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.max_draft = max_draft
         self._cache: list = []
-        self._cached: list[int] = []  # tokens whose K/V the draft cache holds, in order
+        self._trims = True  # every layer of the draft model drops rows by trimming
+        self._cached: list[int] = []  # tokens whose rows the draft cache holds, in order
         self._uncommitted = mx.array([], dtype=mx.uint32)  # drafts fed to the cache, not yet in _cached
+        self._savepoint: caches.Savepoint | None = None  # before the last proposal's draft steps
+        self._saved = 0  # tokens the cache held at that savepoint
+
+    def speculation_blocker(self) -> str | None:
+        reason = caches.blocker(make_prompt_cache(self.model))
+        return None if reason is None else f"the draft model: {reason}"
 
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
         self._cache = make_prompt_cache(self.model)
+        reason = caches.blocker(self._cache)
+        if reason is not None:
+            raise TandemError(f"the draft model cannot draft: {reason}")
+        self._trims = caches.trim_only(self._cache)
         self._cached = []
+        self._savepoint = None
         self._uncommitted = mx.array([], dtype=mx.uint32)
         # Prefill all but the last prompt token now (the loop's anchor is fed at proposal time).
         head = list(prompt_ids)[:-1]
@@ -52,7 +70,7 @@ class DraftModelDrafter(Drafter):
         self._cached = head
 
     def _sync(self, ids: Sequence[int]) -> list[int]:
-        """Trim cached rows that are not a prefix of ``ids``; return the tokens still to feed."""
+        """Drop cached rows that are not a prefix of ``ids``; return the tokens still to feed."""
         keep = 0
         for a, b in zip(self._cached, ids):
             if a != b:
@@ -60,8 +78,17 @@ class DraftModelDrafter(Drafter):
             keep += 1
         keep = min(keep, len(ids) - 1)  # always feed at least the anchor
         if keep < len(self._cached):
-            trim_prompt_cache(self._cache, len(self._cached) - keep)
+            if self._trims:
+                for c in caches.leaves(self._cache):
+                    caches.trim(c, len(self._cached) - keep)
+            elif self._savepoint is not None and keep >= self._saved:
+                self._savepoint.rollback()  # every draft row goes; the accepted ones are fed again
+                keep = self._saved
+            else:
+                raise caches.CacheError(f"draft cache holds {len(self._cached)} tokens, {keep} still valid, "
+                                        f"and cannot go back past its savepoint at {self._saved}")
             self._cached = self._cached[:keep]
+        self._savepoint = None
         return list(ids[keep:])
 
     def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
@@ -70,6 +97,8 @@ class DraftModelDrafter(Drafter):
             return None
         pending = self._sync(ids)
         logits = self.model(mx.array([pending]), cache=self._cache)[0, -1]
+        if not self._trims and cap > 1:
+            self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids)
         tokens, probs = [], []
         for i in range(cap):
             if sampler.greedy:

@@ -36,6 +36,9 @@ class LookupFirst(Drafter):
         """The model drafter's weights (what calibration keys and prices)."""
         return getattr(self.model_drafter, "model", None)
 
+    def speculation_blocker(self) -> str | None:
+        return self.model_drafter.speculation_blocker()
+
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
         self.lookup.begin(prompt_ids, hidden)
         self.model_drafter.begin(prompt_ids, hidden)
