@@ -189,8 +189,10 @@ class Engine:
         prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
         mode = self.resolve_mode(mode)
         drafter = self.drafter(mode)
-        if drafter is not None and not self.target.can_rollback:
-            raise TandemError(f"{self.name} uses a KV cache that cannot be rolled back; only --mode baseline works")
+        if drafter is not None:
+            reason = self.target.speculation_blocker() or drafter.speculation_blocker()
+            if reason is not None:
+                raise TandemError(f"--mode {mode} cannot run on {self.name}: {reason}; only --mode baseline works")
         cap_label: int | str
         if cap_policy is None:
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft)

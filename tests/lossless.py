@@ -19,21 +19,24 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def top2_margin(model, prefix: Sequence[int]) -> float:
-    """Gap between the two largest next-token logits after ``prefix`` (a clean forward)."""
+def top2_margin(model, prefix: Sequence[int], new_cache=None) -> float:
+    """Gap between the two largest next-token logits after ``prefix`` (a clean forward on a cache
+    from ``new_cache``, default the model's own)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    logits = model(mx.array([list(prefix)]), cache=make_prompt_cache(model))[0, -1].astype(mx.float32)
+    cache = new_cache() if new_cache is not None else make_prompt_cache(model)
+    logits = model(mx.array([list(prefix)]), cache=cache)[0, -1].astype(mx.float32)
     top = mx.sort(logits)[-2:]
     return (top[1] - top[0]).item()
 
 
-def assert_same_greedy(model, prompt_ids: Sequence[int], baseline: Sequence[int], other: Sequence[int], label: str):
+def assert_same_greedy(model, prompt_ids: Sequence[int], baseline: Sequence[int], other: Sequence[int], label: str,
+                       new_cache=None):
     """Equal, or different only at a float tie of the target (proved by the margin)."""
     i = first_divergence(baseline, other)
     if i is None:
         return
-    margin = top2_margin(model, list(prompt_ids) + list(baseline[:i]))
+    margin = top2_margin(model, list(prompt_ids) + list(baseline[:i]), new_cache)
     assert margin < TIE_MARGIN, (
         f"{label}: diverged from baseline at token {i} with a top-2 logit margin "
         f"of {margin:.3g}: not a floating-point tie, so this is a bug")

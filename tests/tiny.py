@@ -120,9 +120,10 @@ def make_family_model(arch: str, seed: int = 0, vocab: int = VOCAB, layers: int 
         raise ValueError(arch)
     model = mod.Model(args)
     if scale != 1.0:
-        params = dict(tree_flatten(model.parameters()))
-        key = next(k for k in ("lm_head.weight", "language_model.lm_head.weight") if k in params)
-        model.load_weights([(key, params[key] * scale)])
+        params = dict(tree_flatten(model.parameters()))  # the head, else the tied embedding
+        key = next(k for k in ("lm_head.weight", "language_model.lm_head.weight", "model.embed_tokens.weight")
+                   if k in params)
+        model.load_weights([(key, params[key] * scale)], strict=False)
     mx.eval(model.parameters())
     model.eval()
     return model

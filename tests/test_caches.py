@@ -1,0 +1,435 @@
+"""Cache transactions on every cache mlx-lm builds: sliding windows (RotatingKVCache), recurrent
+state (ArraysCache: GatedDeltaNet, Mamba2, short convolutions), both in one layer (CacheList) and
+quantized K/V. Tiny random targets from mlx-lm's own classes (tests/tiny.py): greedy output equals
+baseline in every mode, the caches after every commit equal a clean forward over the committed
+tokens, sampled output is an exact sample of the target, and what cannot be rolled back is refused."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+
+from engine import caches
+from engine.drafters.base import Draft, Drafter
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.errors import TandemError
+from engine.generate import Engine
+from engine.sampling import Sampler, SamplingParams, target_probs
+from engine.speculative import DecodeStats, FixedCap, decode
+from engine.target import Target
+from tests import drafter_ckpt as ck
+from tests.lossless import assert_same_greedy
+from tests.test_block_drafters import chi_square_z
+from tests.tiny import FAMILIES, WINDOW, make_family_model, make_tokenizer
+
+RECURRENT = ("qwen3_5", "nemotron_h", "falcon_h1", "lfm2")
+OUT = 4 * WINDOW + 4  # every output wraps the sliding windows several times
+GREEDY = Sampler(SamplingParams())
+SAMPLED = SamplingParams(temperature=1.0, top_k=10)
+
+
+# ----------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------
+def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    """Prompts shorter and longer than the window; every other one repeats a span (lookup drafts)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        body = [rng.randrange(2, vocab) for _ in range([3, 6, 11, 19][i % 4])]
+        out.append(body + body[: max(2, len(body) // 2)] + body if i % 2 else body)
+    return out
+
+
+def noisy_copy(arch: str, seed: int, noise: float, **kw) -> nn.Module:
+    """The target's own weights with a perturbed head: a draft model (of the same family) that is
+    right often but not always, so drafts are rejected at every position."""
+    model = make_family_model(arch, seed=seed, **kw)
+    params = dict(tree_flatten(model.parameters()))
+    key = next(k for k in ("lm_head.weight", "language_model.lm_head.weight", "model.embed_tokens.weight") if k in params)
+    w = params[key]
+    model.load_weights([(key, w + noise * mx.abs(w).mean() * mx.random.normal(w.shape, key=mx.random.key(seed)))],
+                       strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def drafter_target_config(target: Target) -> dict:
+    """What a DSpark/DFlash checkpoint needs to know about any target."""
+    return {"model_type": "qwen3", "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "vocab_size": target.vocab_size, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096}
+
+
+def write_drafters(tmp_path, target: Target) -> dict[str, str]:
+    tc = drafter_target_config(target)
+    cfg, w = ck.dspark_checkpoint(tc, taps=[0, 2], markov_rank=16)
+    w["embed_tokens.weight"] = np.array(target.embed_tokens.weight, dtype=np.float32)
+    w["lm_head.weight"] = np.array(target.head(mx.eye(target.hidden_size)).T, dtype=np.float32)
+    for k in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
+        w[k] = w[k] * 10.0
+    return {"dspark": str(ck.write(tmp_path / "dspark", cfg, w)),
+            "dflash": str(ck.write(tmp_path / "dflash", *ck.dflash_checkpoint(tc, taps=[1, 2], block_size=6)))}
+
+
+def assert_cache_is_clean(target: Target, cache: list, ids: list[int], label: str) -> None:
+    """``cache`` equals a clean forward over ``ids`` (one chunk): offsets, K/V rows in temporal
+    order over each sliding window, recurrent states; and the next forward gives the same logits."""
+    clean = target.new_cache()
+    target.forward(mx.array([ids]), clean)
+    for i, (a, b) in enumerate(zip(caches.leaves(cache), caches.leaves(clean))):
+        where = f"{label}: cache {i} ({type(a).__name__}) after {len(ids)} tokens"
+        assert type(a) is type(b), where
+        if type(a) is ArraysCache:
+            for x, y in zip(a.cache, b.cache):
+                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4, rtol=1e-3).item(), where
+            continue
+        assert a.offset == b.offset == len(ids), where
+        if type(a) is RotatingKVCache:
+            rows = min(a.offset, a.max_size)
+            pairs = [(a._temporal_order(x)[..., -rows:, :], b._temporal_order(y)[..., -rows:, :])
+                     for x, y in ((a.keys, b.keys), (a.values, b.values))]
+        elif type(a) is QuantizedKVCache:
+            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values))]
+        else:
+            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in ((a.keys, b.keys), (a.values, b.values))]
+        for x, y in pairs:
+            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4, rtol=1e-3).item(), where
+    nxt = mx.array([[ids[-1]]])
+    got, _ = target.forward(nxt, copy.deepcopy(cache))
+    want, _ = target.forward(nxt, clean)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-3).item(), f"{label}: next logits differ after {len(ids)} tokens"
+
+
+class Scripted(Drafter):
+    """Drafts the true continuation with one wrong token at a rotating position, so each round
+    accepts 0, 1, ..., cap drafts in turn."""
+
+    name = "scripted"
+
+    def __init__(self, truth: list[int], prompt_len: int, vocab: int, max_draft: int = 4):
+        self.truth, self.prompt_len, self.vocab, self.max_draft = truth, prompt_len, vocab, max_draft
+        self.round = 0
+
+    def propose(self, ids, cap, sampler):
+        at = len(ids) - self.prompt_len
+        good = self.truth[at : at + cap]
+        j = self.round % (cap + 1)
+        self.round += 1
+        if j < len(good):
+            good = good[:j] + [(good[j] + 1) % self.vocab] + good[j + 1 :]
+        return Draft(mx.array(good, dtype=mx.uint32)) if good else None
+
+
+# ----------------------------------------------------------------------------------------
+# greedy: every mode, every family
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_output_identical_in_every_mode(tmp_path, arch):
+    engine = Engine(make_family_model(arch, seed=3), make_tokenizer(), name=f"tiny-{arch}")
+    assert engine.target.speculation_blocker() is None
+    # A draft model of the same family (sliding-window or hybrid itself), right most of the time.
+    engine.set_drafter("draft", DraftModelDrafter(noisy_copy(arch, 3, noise=0.6), max_draft=4))
+    paths = write_drafters(tmp_path, engine.target)
+    drafted = partial = 0
+    for i, ids in enumerate(prompts(8, 96, seed=21)):
+        base = engine.generate(ids, mode="baseline", max_new_tokens=OUT)
+        for mode, cap in (("lookup", None), ("draft", 3), ("dspark", (1, 3, 0)[i % 3]), ("dflash", (0, 1, 3)[i % 3])):
+            engine.drafter_path = paths.get(mode)
+            res = engine.generate(ids, mode=mode, max_new_tokens=OUT, max_draft=cap)
+            assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"{arch}/{mode}/cap {cap}/prompt {i}")
+            drafted += res.drafted
+            partial += sum(1 for d, a in res.rounds if 0 < a < d)
+    assert drafted > 0 and partial > 0  # real speculative rounds, rejections after accepted drafts
+
+
+# ----------------------------------------------------------------------------------------
+# the caches after every commit
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,method", [(a, m) for a in FAMILIES for m in (("states", "replay") if a in RECURRENT else (None,))])
+def test_cache_after_every_commit_equals_a_clean_forward(monkeypatch, arch, method):
+    model = make_family_model(arch, seed=5)
+    target = Target(model, rollback_method=method)
+    assert target.speculation_blocker() is None
+    if method:
+        assert target.recorder.method == method  # the load-time check passed for this way
+    prompt = prompts(2, 96, seed=4)[1]
+    truth = [t for new, _ in decode(target, None, prompt, GREEDY, max_new_tokens=OUT) for t in new]
+    seen = {}
+    verify = target.verify
+
+    def spy(ids, cache, **kw):
+        seen["cache"] = cache
+        return verify(ids, cache, **kw)
+
+    monkeypatch.setattr(target, "verify", spy)
+    out, kept = [], set()
+    stats = DecodeStats()
+    for new, event in decode(target, Scripted(truth, len(prompt), 96), prompt, GREEDY, max_new_tokens=OUT,
+                             cap_policy=FixedCap(4), stats=stats):
+        out += new
+        kept.add(event.accepted)
+        if "cache" in seen:  # the cache holds everything but the newest token (the next anchor)
+            assert_cache_is_clean(target, seen["cache"], prompt + out[:-1], f"{arch}/{method}")
+    assert out == truth
+    assert {0, 1, 2, 3, 4} <= kept  # rejections at every position of a 4-token draft
+
+
+# ----------------------------------------------------------------------------------------
+# sampling
+# ----------------------------------------------------------------------------------------
+def sharp_attention(model: nn.Module, factor: float) -> nn.Module:
+    """Scale query and key projections: peaked attention makes the output depend on which rows
+    the window holds (a sliding-window target where a stale row shows)."""
+    model.load_weights([(k, v * factor) for k, v in tree_flatten(model.parameters())
+                        if k.endswith(("q_proj.weight", "k_proj.weight"))], strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def sampled_ranks(arch: str, params: SamplingParams, seqs: int = 16, per_seq: int = 160, vocab: int = 12):
+    """Sample ``seqs`` sequences through the real loop and place every generated token by its
+    rank under its exact conditional (a clean forward over its own prefix). Returns (observed,
+    expected) [previous token, rank] and the rounds."""
+    kw = dict(vocab=vocab, hidden=32, scale=2.0)
+    sharp = 3.0 if arch == "llama-sliding" else 1.0
+    target = Target(sharp_attention(make_family_model(arch, seed=7, **kw), sharp))
+    drafter = DraftModelDrafter(sharp_attention(make_family_model(arch, seed=7, **{**kw, "scale": 3.0}), sharp),
+                                max_draft=4)
+    observed = np.zeros((vocab, vocab))
+    expected = np.zeros((vocab, vocab))
+    rounds: list[tuple[int, int]] = []
+    for seed in range(seqs):
+        prompt = [(3 * seed + 2) % vocab, (7 * seed + 1) % vocab, 5]
+        stats = DecodeStats()
+        seq = list(prompt)
+        for new, _ in decode(target, drafter, prompt, Sampler(dataclasses.replace(params, seed=seed)),
+                             max_new_tokens=per_seq, cap_policy=FixedCap(4), stats=stats):
+            seq += new
+        rounds += stats.rounds[1:]
+        logits = target.model(mx.array([seq[:-1]]))[0, len(prompt) - 1 :]  # p(. | prefix) at each new token
+        exact = np.array(target_probs(logits, params), dtype=np.float64)
+        for row, prev, tok in zip(exact, seq[len(prompt) - 1 : -1], seq[len(prompt) :]):
+            order = np.argsort(-row, kind="stable")
+            observed[prev, int(np.nonzero(order == tok)[0][0])] += 1
+            expected[prev] += row[order]
+    return observed, expected, rounds
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama-sliding"])
+def test_sampled_tokens_are_exact_samples_of_the_target(arch):
+    """Tokens sampled through the real loop, with a draft model of the same family (its head
+    sharper than the target's, so drafts are rejected at every position), follow the target's
+    exact conditionals. Each generated token is placed by its rank under the truncated
+    distribution a clean forward over its own prefix gives (and binned by the previous token):
+    the ranks' histogram must match the sum of those sorted distributions (total variation and
+    chi-square). A cache holding a wrong context draws from another context's distribution,
+    which ranks the drawn tokens lower (leaving in the rejected rows fails this test)."""
+    observed, expected, rounds = sampled_ranks(arch, SAMPLED)
+    total = observed.sum()
+    assert total == 16 * 160
+    assert (observed[expected == 0] == 0).all()  # never a token outside the target's top-k
+    tv = 0.5 * np.abs(observed.sum(axis=0) - expected.sum(axis=0)).sum() / total
+    assert tv < 0.035, f"total variation {tv:.4f} between generated tokens' ranks and the target's"
+    z = chi_square_z(observed, expected)
+    assert z < 4.0, f"per-token conditionals deviate from the target (chi-square z = {z:.1f})"
+    later = sum(1 for d, a in rounds if 0 < a < d)
+    assert later > len(rounds) // 10 and sum(a for _, a in rounds) > 0, (later, len(rounds))
+
+
+# ----------------------------------------------------------------------------------------
+# what the recorder cannot see, and what cannot be rolled back at all
+# ----------------------------------------------------------------------------------------
+class ToyMixer(nn.Module):
+    """An exponential moving average over the rows, its state in an ArraysCache slot, computed by
+    a plain Python loop (no recurrence mlx-lm's models share): per-position states cannot be
+    derived, so it is replayed."""
+
+    def __init__(self, dim: int, where: str):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+        self.where = where
+
+    def step(self, x: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
+        state = mx.zeros((x.shape[0], x.shape[2])) if state is None else state
+        rows = []
+        for u in self.proj(x).transpose(1, 0, 2):
+            state = 0.7 * state + u
+            rows.append(state)
+        return mx.stack(rows, axis=1), state
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if self.where == "attribute":  # state kept out of the cache: nothing can roll it back
+            out, self._state = self.step(x, getattr(self, "_state", None))
+            return out
+        out, state = self.step(x, cache[0])
+        cache[0] = state
+        return out
+
+
+class ToyLayer(nn.Module):
+    def __init__(self, dim: int, where: str):
+        super().__init__()
+        self.mixer = ToyMixer(dim, where)
+
+    def __call__(self, x, mask=None, cache=None):
+        return x + self.mixer(x, mask, cache)
+
+
+class ToyTrunk(nn.Module):
+    def __init__(self, vocab: int, dim: int, where: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = [ToyLayer(dim, where) for _ in range(2)]
+        self.where = where
+
+    def __call__(self, inputs, cache=None):
+        h = self.embed_tokens(inputs)
+        for layer, c in zip(self.layers, cache or [None] * len(self.layers)):
+            if self.where == "model":  # the model updates the cache itself: no module receives it
+                out, c[0] = layer.mixer.step(h, c[0])
+                h = h + out
+            else:
+                h = layer(h, cache=c)
+        return h
+
+
+class ToyModel(nn.Module):
+    def __init__(self, where: str, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        mx.random.seed(1)
+        self.model = ToyTrunk(vocab, dim, where)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.args = type("Args", (), {"vocab_size": vocab})()
+        mx.eval(self.parameters())
+
+    def __call__(self, inputs, cache=None):
+        return self.lm_head(self.model(inputs, cache))
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def make_cache(self):
+        return [ArraysCache(size=1) for _ in self.layers]
+
+
+@pytest.mark.parametrize("where", ["module", "model"])
+def test_recurrent_state_the_recorder_cannot_derive_is_replayed_or_rerun(where):
+    engine = Engine(ToyModel(where), make_tokenizer(32), name=f"toy-{where}")
+    assert engine.target.speculation_blocker() is None
+    engine.set_drafter("draft", DraftModelDrafter(ToyModel(where), max_draft=4))
+    for ids in prompts(4, 32, seed=8):
+        base = engine.generate(ids, mode="baseline", max_new_tokens=24)
+        for mode in ("lookup", "draft"):
+            res = engine.generate(ids, mode=mode, max_new_tokens=24, max_draft=4)
+            assert res.token_ids == base.token_ids, (where, mode, ids)
+
+
+def test_state_kept_outside_the_cache_fails_the_load_check_and_runs_baseline():
+    engine = Engine(ToyModel("attribute"), make_tokenizer(32), name="toy")
+    reason = engine.target.speculation_blocker()
+    assert reason is not None and "failed the load-time check" in reason and "\n" not in reason
+    assert engine.generate([3, 4, 5], mode="baseline", max_new_tokens=5).generated == 5
+
+
+class OwnCache(KVCache):
+    """A cache class the engine has never seen (a subclass may keep rows its own way)."""
+
+
+def test_unknown_cache_type_is_refused_with_its_reason_and_baseline_runs():
+    model = make_family_model("llama-sliding", seed=2)
+    model.make_cache = lambda: [OwnCache() for _ in model.layers]
+    engine = Engine(model, make_tokenizer(), name="own-cache")
+    reason = engine.target.speculation_blocker()
+    assert reason == "layer 0 keeps a OwnCache cache, which the engine cannot roll back"
+    assert engine.generate([3, 4, 5], mode="baseline", max_new_tokens=6).generated == 6
+    with pytest.raises(TandemError, match="OwnCache"):
+        engine.generate([3, 4, 5], mode="lookup", max_new_tokens=6)
+    assert caches.blocker(caches.quantize_kv([KVCache(), RotatingKVCache(8), ArraysCache(2)], 8)) is None
+
+
+def test_a_trim_that_trims_nothing_is_an_error_not_silence():
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    c = RotatingKVCache(max_size=4)
+    for _ in range(6):
+        c.update_and_fetch(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 8)))
+    assert trim_prompt_cache([c], 2) == 0  # wrapped: mlx-lm trims nothing and says so only by a 0
+    with pytest.raises(caches.CacheError, match="cannot be trimmed back"):
+        Target.rollback([c], 2)
+    with pytest.raises(caches.CacheError, match="trimmed 0 of 2 rows"):
+        caches.trim(KVCache(), 2)
+    with pytest.raises(caches.CacheError, match="cannot keep 0 of a 1-row forward"):
+        caches.Verify([c], 1).commit(0)
+
+
+# ----------------------------------------------------------------------------------------
+# quantized K/V
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kv_bits_output_equals_baseline_with_the_same_bits(bits):
+    from mlx_lm.models import llama
+
+    mx.random.seed(6)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=256,
+                           num_attention_heads=2, num_key_value_heads=1, vocab_size=96, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False)  # head dim 64: one quantization group
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    engine = Engine(model, make_tokenizer(), name="tiny-kv")
+    engine.target.set_kv_bits(bits)  # forced on: the CPU backend would leave it off
+    assert all(type(c) is QuantizedKVCache and c.bits == bits for c in engine.target.new_cache())
+    engine.set_drafter("draft", DraftModelDrafter(model, max_draft=4))
+    ids = prompts(2, 96, seed=3)[1]
+    base = engine.generate(ids, mode="baseline", max_new_tokens=30)
+    for mode in ("lookup", "draft"):
+        res = engine.generate(ids, mode=mode, max_new_tokens=30, max_draft=4)
+        assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"kv{bits}/{mode}",
+                           new_cache=engine.target.new_cache)
+    cache = engine.target.new_cache()
+    logits_q, _ = engine.target.forward(mx.array([ids]), cache)
+    engine.target.set_kv_bits(None)
+    logits_f, _ = engine.target.forward(mx.array([ids]), engine.target.new_cache())
+    assert mx.abs(logits_q - logits_f).max().item() > 1e-5  # the K/V really were quantized
+
+
+def test_kv_bits_refused_in_one_line_when_the_head_dim_does_not_fit():
+    target = Target(make_family_model("qwen3_5", seed=1))  # head dim 16 < one group of 64
+    with pytest.raises(TandemError, match="4-bit KV cache refused") as err:
+        target.set_kv_bits(4)
+    assert "\n" not in str(err.value) and target.kv_bits is None
+    with pytest.raises(TandemError, match="kv bits must be one of 4, 8"):
+        target.set_kv_bits(3)
+
+
+# ----------------------------------------------------------------------------------------
+# snapshots for a prefix cache
+# ----------------------------------------------------------------------------------------
+def test_snapshot_restore_and_trimmable_to():
+    target = Target(make_family_model("falcon_h1", seed=2))
+    cache = target.new_cache()
+    target.forward(mx.array([[3, 4, 5, 6, 7]]), cache)
+    snap = caches.snapshot(cache)
+    assert not caches.trimmable_to(cache, 3) and caches.trimmable_to(cache, 5)  # recurrent state
+    target.forward(mx.array([[8, 9]]), cache)
+    target.forward(mx.array([[10]]), cache)
+    caches.restore(cache, snap)
+    assert_cache_is_clean(target, cache, [3, 4, 5, 6, 7], "restored snapshot")
+    sliding = Target(make_family_model("llama-sliding", seed=2))
+    cache = sliding.new_cache()
+    sliding.forward(mx.array([list(range(2, 2 + WINDOW - 2))]), cache)
+    assert caches.trimmable_to(cache, 2)  # the window has not wrapped yet
+    caches.trim_to(cache, 2)
+    assert_cache_is_clean(sliding, cache, [2, 3], "trimmed")
+    sliding.forward(mx.array([list(range(2, 2 + 2 * WINDOW))]), cache)
+    assert not caches.trimmable_to(cache, 4)  # wrapped: older rows are gone
