@@ -114,7 +114,7 @@ class EngineWorker(QObject):
             "kv_bytes_per_token": kv.bytes_per_token,
             "layers": eng.target.num_layers, "vocab": eng.target.vocab_size,
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
-            "can_rollback": bool(eng.target.can_rollback),
+            "can_rollback": eng.target.speculation_blocker() is None,
             "mode_support": _mode_support(eng),
             **_auto_choice(eng),
         }

@@ -15,8 +15,10 @@ from engine.generate import Chunk, Engine, GenerationResult, Prompt
 
 def load(model: str | None = None, *, drafter: str | None = None, draft_model: str | None = None,
          drafter_bits: int | None = None, confidence_threshold: float | None = None,
-         draft_vocab: int | None = None, lookup_first: bool | None = None) -> Engine:
-    """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter)."""
+         draft_vocab: int | None = None, lookup_first: bool | None = None, kv_bits: int | None = None) -> Engine:
+    """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter).
+    ``kv_bits`` (4/8) quantizes the KV cache on Metal/CUDA; why it stays off elsewhere is in
+    ``engine.notes``."""
     from engine.loading import load_model
 
     loaded = load_model(model)
@@ -27,6 +29,7 @@ def load(model: str | None = None, *, drafter: str | None = None, draft_model: s
     eng.confidence_threshold = confidence_threshold
     eng.draft_vocab = draft_vocab
     eng.lookup_first = lookup_first
+    eng.set_kv_bits(kv_bits)
     return eng
 
 

@@ -72,6 +72,18 @@ def blocker(cache: list) -> str | None:
     return None
 
 
+def describe(cache: list) -> str:
+    """Layer caches by kind, e.g. '24 ArraysCache (recurrent), 8 KVCache (full attention)'."""
+    kinds = {KVCache: "full attention", QuantizedKVCache: "quantized full attention",
+             ChunkedKVCache: "chunked attention", ConcatenateKVCache: "full attention",
+             RotatingKVCache: "sliding window", ArraysCache: "recurrent"}
+    counts: dict[str, int] = {}
+    for c in leaves(cache):
+        label = f"{type(c).__name__} ({kinds.get(type(c), 'unknown to the engine')})"
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{n} {label}" for label, n in counts.items())
+
+
 def has_recurrent(cache: list) -> bool:
     return any(type(c) is ArraysCache for c in leaves(cache))
 

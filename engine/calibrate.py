@@ -5,7 +5,7 @@ grows with its width on *this* machine: on a 2-core Linux CPU with OpenBLAS, 16 
 one row; with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). So the engine measures:
 
 * ``verify(w)``: ms of one target forward over ``w`` tokens on a warm synthetic 512-token
-  context, the cache trimmed back after each (``Target.forward`` + ``Target.rollback``);
+  context, rolled back after each (``Target.verify`` and its cache transaction);
 * ``draft(c)``: ms of one proposal of ``c`` tokens, for drafters with their own model
   (n-gram lookup costs ~0 and its Python time lands in the overhead);
 * the per-round overhead: full synthetic rounds of the real verify loop minus their forward (and
@@ -228,15 +228,16 @@ def _median_passes(n_items: int, passes: int, run_one: Callable[[int], float], t
 
 def measure_verify(target: Any, cache: list, ids: Sequence[int], widths: Sequence[int], passes: int,
                    tick: Callable[[], None] = lambda: None) -> list[float]:
-    """Median ms of one forward over each width on ``cache``, trimmed back after each."""
+    """Median ms of one verify forward over each width on ``cache``, rolled back after each
+    (a one-row forward is a plain step and keeps its row: the context grows by a few tokens)."""
     rows = [mx.array([list(ids[:w])], dtype=mx.uint32) for w in widths]
 
     def one(i: int) -> float:
         t0 = time.perf_counter()
-        logits, _ = target.forward(rows[i], cache)
+        logits, _, txn = target.verify(rows[i], cache)
         mx.eval(logits)
         dt = time.perf_counter() - t0
-        target.rollback(cache, widths[i])
+        txn.commit(1 if widths[i] == 1 else 0)
         return dt
 
     return _median_passes(len(widths), passes, one, tick)

@@ -73,6 +73,31 @@ def _starter_row() -> str:
     return "; ".join(rows)
 
 
+def _kv_bits_row() -> str:
+    from engine.modes import kv_bits_policy
+
+    bits, why = kv_bits_policy(8)
+    return "--kv-bits 4|8 available (QuantizedKVCache, group size 64)" if bits else why
+
+
+def _rollback_row() -> str:
+    from engine import recurrent
+
+    return (f"{recurrent.default_method()} ({recurrent.METHOD_ENV}=states|replay): how a verify rewinds "
+            f"recurrent state (Qwen3.5, Nemotron-H, LFM2...) to the accepted tokens")
+
+
+def model_rows(engine) -> list[tuple[str, str]]:
+    """What a loaded model's caches are, and which modes it runs (or why not)."""
+    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches())]
+    if engine.kv_bits:
+        rows.append(("KV bits", str(engine.kv_bits)))
+    rows += [("Note", note) for note in engine.notes]
+    for mode, reason in engine.mode_support().items():
+        rows.append((f"--mode {mode}", "runs" if reason is None else reason))
+    return rows
+
+
 def _cache_row() -> str:
     from engine.gguf import converted_root
 
@@ -100,14 +125,17 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("BLAS mapped", _blas_mapped_row),
     ("sgemm check", _sgemm_row),
     ("Weights dtype", _dtype_row),
+    ("KV cache bits", _kv_bits_row),
+    ("Recurrent rollback", _rollback_row),
     ("Built-in models", _starter_row),
     ("Converted cache", _cache_row),
     ("HF cache", _hf_cache_row),
 ]
 
 
-def doctor_report() -> list[tuple[str, str]]:
-    """(label, value) rows describing versions, backend, BLAS, dtype policy, models and caches."""
+def doctor_report(model: str | None = None) -> list[tuple[str, str]]:
+    """(label, value) rows describing versions, backend, BLAS, dtype policy, models and caches;
+    with ``model``, also that model's caches and the modes it runs (or why it runs baseline)."""
     rows = []
     for label, probe in _PROBES:
         try:
@@ -117,10 +145,17 @@ def doctor_report() -> list[tuple[str, str]]:
         rows.append((label, str(value)))
     if os.environ.get("TANDEM_NO_OPENBLAS"):
         rows.append(("Note", "TANDEM_NO_OPENBLAS is set: OpenBLAS preload disabled"))
+    if model is not None:
+        try:
+            from engine.api import load
+
+            rows += model_rows(load(model or None))
+        except Exception as e:
+            rows.append(("Model", f"error: {type(e).__name__}: {e}"))
     return rows
 
 
-def format_doctor() -> str:
-    rows = doctor_report()
+def format_doctor(model: str | None = None) -> str:
+    rows = doctor_report(model)
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -37,6 +37,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string), "length", "cancelled"
     cap: int | str = 0
     token_times: list[float] = field(default_factory=list)  # seconds since the request began
+    note: str | None = None  # why --mode auto ran baseline, when it had to
 
     @property
     def generated(self) -> int:
@@ -75,6 +76,7 @@ class GenerationResult:
             f"{self.generated} tokens | {self.decode_tps:.1f} tok/s decode | prefill {self.prompt_tokens} tok "
             f"in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} | accept/round {self.mean_accepted:.2f} "
             f"| {self.target_forwards} target forwards | {self.finish_reason}"
+            + (f" | {self.note}" if self.note else "")
         )
 
     def to_dict(self) -> dict:
@@ -83,7 +85,7 @@ class GenerationResult:
             "decode_tok_s": round(self.decode_tps, 3), "prefill_tok_s": round(self.prefill_tps, 3),
             "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "accept_per_round": round(self.mean_accepted, 3), "drafted": self.drafted, "accepted": self.accepted,
-            "target_forwards": self.target_forwards, "finish_reason": self.finish_reason,
+            "target_forwards": self.target_forwards, "finish_reason": self.finish_reason, "note": self.note,
         }
 
 
@@ -113,6 +115,17 @@ class Engine:
         self.confidence_threshold: float | None = None
         self.draft_vocab: int | None = None  # DSpark: None = the drafter's draft_vocab.json, 0 = full vocabulary
         self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
+        self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
+        self.notes: list[str] = []  # load-time settings that could not apply here, and why
+
+    def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
+        """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
+        Metal/CUDA; on the CPU backend it stays off, with the reason in ``notes``, unless
+        ``force``. Sliding-window and recurrent caches stay float (mlx-lm has no quantized kind)."""
+        bits, why = modes.kv_bits_policy(bits, force=force)
+        self.notes = [n for n in self.notes if not n.startswith("--kv-bits")] + ([why] if why else [])
+        self.target.set_kv_bits(bits)
+        self.kv_bits = bits
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
@@ -187,12 +200,16 @@ class Engine:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
         prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
-        mode = self.resolve_mode(mode)
+        requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
-        if drafter is not None:
-            reason = self.target.speculation_blocker() or drafter.speculation_blocker()
-            if reason is not None:
-                raise TandemError(f"--mode {mode} cannot run on {self.name}: {reason}; only --mode baseline works")
+        # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
+        # baseline and says why; an explicit speculative mode is refused with the reason.
+        reason = modes.speculation_blocker(self) or (drafter.speculation_blocker() if drafter else None)
+        note = None
+        if reason is not None and (drafter is not None or requested == "auto"):
+            if requested != "auto":
+                raise TandemError(f"--mode {mode} cannot run: {reason}; only --mode baseline works")
+            mode, drafter, note = "baseline", None, f"speculation off: {reason}"
         cap_label: int | str
         if cap_policy is None:
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft)
@@ -244,7 +261,7 @@ class Engine:
         yield Chunk(result=GenerationResult(
             text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
             prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
-            finish_reason=stats.finish_reason, cap=cap_label, token_times=times))
+            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note))
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         for chunk in self.stream(prompt, **kwargs):

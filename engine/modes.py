@@ -86,10 +86,27 @@ def block_drafter(engine: EngineLike, mode: str) -> Drafter:
 
 
 def speculation_blocker(engine: EngineLike) -> str | None:
-    """Why this target cannot verify drafts (its cache cannot be rolled back), or None."""
-    if engine.target.can_rollback:
-        return None
-    return f"{engine.name} uses a KV cache that cannot be rolled back"
+    """Why this target cannot verify drafts (a cache the engine cannot roll back), or None."""
+    reason = engine.target.speculation_blocker()
+    return None if reason is None else f"{engine.name}: {reason}"
+
+
+def kv_bits_policy(bits: int | None, *, force: bool = False) -> tuple[int | None, str | None]:
+    """The K/V bits to use for ``--kv-bits`` and, when it stays off, why. Quantized attention is
+    only fast on Metal/CUDA; on the CPU backend K/V stay float, as weights do (spec/models.md),
+    unless ``force`` (tests, measurements)."""
+    from engine import platform
+    from engine.caches import KV_BITS
+
+    if not bits:
+        return None, None
+    if bits not in KV_BITS:
+        raise TandemError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, got {bits}")
+    backend = platform.backend()
+    if backend not in ("metal", "cuda") and not force:
+        return None, (f"--kv-bits {bits} is off on the {backend} backend: MLX's CPU quantized kernels are slower "
+                      f"than float, so the KV cache stays float like the weights")
+    return bits, None
 
 
 def mode_support(engine: EngineLike, modes: tuple[str, ...]) -> dict[str, str | None]:

@@ -26,6 +26,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="DSpark: draft from the first N tokens of the drafter's draft_vocab.json (most frequent "
                         "first); 0 = the full vocabulary; default: every token the file lists")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                   help="quantize the target's full-attention KV cache to this many bits (group size 64) on "
+                        "Metal/CUDA; off on the CPU backend, where quantized kernels are slower than float")
     p.add_argument("--lookup-first", action=argparse.BooleanOptionalAction, default=None,
                    help="DSpark/DFlash: take n-gram lookup's draft when the context repeats itself, the drafter's "
                         "otherwise (default: the registry's choice for the pair)")
@@ -53,4 +56,5 @@ def load_engine(args: argparse.Namespace) -> "Engine":
     return load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
                 drafter_bits=getattr(args, "drafter_bits", None),
                 confidence_threshold=getattr(args, "confidence_threshold", None),
-                draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None))
+                draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
+                kv_bits=getattr(args, "kv_bits", None))

@@ -163,7 +163,7 @@ def auto_mode(engine: EngineLike) -> str:
     from engine.drafters.block import checkpoint_kind
     from engine.drafters.checkpoint import read_config, resolve_drafter_path
 
-    if not engine.target.can_rollback:
+    if engine.target.speculation_blocker() is not None:
         return "baseline"
     if engine.drafter_path:
         path = resolve_drafter_path(engine.drafter_path)

@@ -194,14 +194,17 @@ class Target:
             self.kv_bits = previous
             raise TandemError(f"{bits}-bit KV cache refused for {self.name} ({why})")
 
+    def describe_caches(self) -> str:
+        """The layer caches by kind and how a verify rolls them back (for ``tandem doctor``)."""
+        text = caches.describe(self.new_cache())
+        if self.recorder is not None:
+            text += f"; recurrent state rewound by {'per-position states' if self.recorder.method == 'states' else 'replay'}"
+        return text
+
     def speculation_blocker(self) -> str | None:
         """Why rejected drafts cannot be rolled back out of this model's caches (speculation is
         refused and baseline runs), or None."""
         return self._blocker
-
-    @property
-    def can_rollback(self) -> bool:
-        return self._blocker is None
 
     def forward(
         self, ids: mx.array, cache: list, *, last_only: bool = False, tap: bool = False
@@ -265,13 +268,6 @@ class Target:
         """Append ``ids`` to the caches (no logits needed)."""
         self.forwards += 1
         self.trunk(ids, cache) if self._split else self.model(ids, cache=cache)
-
-    @staticmethod
-    def rollback(cache: list, n: int) -> None:
-        """Drop the last n rows from every layer's cache by trimming (checked; refused for caches
-        that cannot trim, where a ``verify`` transaction is needed)."""
-        if n > 0:
-            caches.trim_to(cache, caches.length(cache) - n)
 
     def _prove_rollback(self) -> str | None:
         """Prove on this model that a verify keeping 2 of 5 rows leaves the recurrent caches as a

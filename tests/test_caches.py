@@ -17,7 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine import caches
+from engine import caches, platform
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.errors import TandemError
@@ -136,10 +136,12 @@ class Scripted(Drafter):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_output_identical_in_every_mode(tmp_path, arch):
     engine = Engine(make_family_model(arch, seed=3), make_tokenizer(), name=f"tiny-{arch}")
-    assert engine.target.speculation_blocker() is None
+    assert engine.target.speculation_blocker() is None and engine.resolve_mode("auto") == "lookup"
     # A draft model of the same family (sliding-window or hybrid itself), right most of the time.
     engine.set_drafter("draft", DraftModelDrafter(noisy_copy(arch, 3, noise=0.6), max_draft=4))
     paths = write_drafters(tmp_path, engine.target)
+    engine.drafter_path = paths["dspark"]
+    assert engine.resolve_mode("auto") == "dspark"  # --mode auto runs a hybrid/sliding target's drafter
     drafted = partial = 0
     for i, ids in enumerate(prompts(8, 96, seed=21)):
         base = engine.generate(ids, mode="baseline", max_new_tokens=OUT)
@@ -352,9 +354,22 @@ def test_unknown_cache_type_is_refused_with_its_reason_and_baseline_runs():
     engine = Engine(model, make_tokenizer(), name="own-cache")
     reason = engine.target.speculation_blocker()
     assert reason == "layer 0 keeps a OwnCache cache, which the engine cannot roll back"
-    assert engine.generate([3, 4, 5], mode="baseline", max_new_tokens=6).generated == 6
-    with pytest.raises(TandemError, match="OwnCache"):
+    assert engine.generate([3, 4, 5], mode="baseline", max_new_tokens=6).note is None
+    auto = engine.generate([3, 4, 5], mode="auto", max_new_tokens=6)  # falls back, and says why
+    assert auto.mode == "baseline" and auto.generated == 6
+    assert auto.note == f"speculation off: own-cache: {reason}" and auto.note in auto.summary()
+    with pytest.raises(TandemError, match="--mode lookup cannot run: own-cache: layer 0 keeps a OwnCache cache"):
         engine.generate([3, 4, 5], mode="lookup", max_new_tokens=6)
+    support = engine.mode_support()
+    assert support["baseline"] is None and support["auto"] is None
+    assert all(reason in support[m] for m in ("lookup", "draft", "dspark", "dflash"))
+    # A draft model whose cache cannot roll back: auto runs baseline, --mode draft is refused.
+    target = Engine(make_family_model("qwen3_5", seed=2), make_tokenizer(), name="hybrid")
+    target.draft_model_spec = "own-cache-draft"  # --mode auto picks the draft model
+    target.set_drafter("draft", DraftModelDrafter(model, max_draft=3))
+    assert target.generate([3, 4, 5], mode="auto", max_new_tokens=4).note.startswith("speculation off: the draft model")
+    with pytest.raises(TandemError, match="--mode draft cannot run: the draft model: layer 0 keeps a OwnCache"):
+        target.generate([3, 4, 5], mode="draft", max_new_tokens=4)
     assert caches.blocker(caches.quantize_kv([KVCache(), RotatingKVCache(8), ArraysCache(2)], 8)) is None
 
 
@@ -366,7 +381,7 @@ def test_a_trim_that_trims_nothing_is_an_error_not_silence():
         c.update_and_fetch(mx.zeros((1, 1, 1, 8)), mx.zeros((1, 1, 1, 8)))
     assert trim_prompt_cache([c], 2) == 0  # wrapped: mlx-lm trims nothing and says so only by a 0
     with pytest.raises(caches.CacheError, match="cannot be trimmed back"):
-        Target.rollback([c], 2)
+        caches.trim_to([c], c.offset - 2)
     with pytest.raises(caches.CacheError, match="trimmed 0 of 2 rows"):
         caches.trim(KVCache(), 2)
     with pytest.raises(caches.CacheError, match="cannot keep 0 of a 1-row forward"):
@@ -387,7 +402,12 @@ def test_kv_bits_output_equals_baseline_with_the_same_bits(bits):
     model = llama.Model(args)
     mx.eval(model.parameters())
     engine = Engine(model, make_tokenizer(), name="tiny-kv")
-    engine.target.set_kv_bits(bits)  # forced on: the CPU backend would leave it off
+    engine.set_kv_bits(bits)
+    if platform.backend() == "cpu":  # off here, with the reason; forced on below
+        assert engine.kv_bits is None and engine.notes[0].startswith(f"--kv-bits {bits} is off on the cpu backend")
+        assert all(type(c) is KVCache for c in engine.target.new_cache())
+    engine.set_kv_bits(bits, force=True)
+    assert engine.kv_bits == bits and not engine.notes
     assert all(type(c) is QuantizedKVCache and c.bits == bits for c in engine.target.new_cache())
     engine.set_drafter("draft", DraftModelDrafter(model, max_draft=4))
     ids = prompts(2, 96, seed=3)[1]
@@ -398,9 +418,40 @@ def test_kv_bits_output_equals_baseline_with_the_same_bits(bits):
                            new_cache=engine.target.new_cache)
     cache = engine.target.new_cache()
     logits_q, _ = engine.target.forward(mx.array([ids]), cache)
-    engine.target.set_kv_bits(None)
+    engine.set_kv_bits(None)
     logits_f, _ = engine.target.forward(mx.array([ids]), engine.target.new_cache())
     assert mx.abs(logits_q - logits_f).max().item() > 1e-5  # the K/V really were quantized
+
+
+def test_kv_bits_policy_follows_the_backend(monkeypatch):
+    from engine import modes
+    from engine.options import add_model_arguments
+
+    monkeypatch.setattr(platform, "backend", lambda: "metal")
+    assert modes.kv_bits_policy(4) == (4, None) and modes.kv_bits_policy(None) == (None, None)
+    monkeypatch.setattr(platform, "backend", lambda: "cpu")
+    assert modes.kv_bits_policy(8)[0] is None and modes.kv_bits_policy(8, force=True) == (8, None)
+    with pytest.raises(TandemError, match="--kv-bits must be one of 4, 8"):
+        modes.kv_bits_policy(2)
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
+    assert p.parse_args(["--kv-bits", "8"]).kv_bits == 8
+    with pytest.raises(SystemExit):
+        p.parse_args(["--kv-bits", "3"])
+
+
+def test_doctor_shows_a_models_caches_and_modes():
+    from engine.doctor import model_rows
+
+    rows = dict(model_rows(Engine(make_family_model("nemotron_h", seed=2), make_tokenizer(), name="hybrid")))
+    assert rows["Caches"].startswith("2 ArraysCache (recurrent), 1 KVCache (full attention); recurrent state rewound by")
+    assert rows["--mode lookup"] == "runs"
+    model = make_family_model("llama-sliding", seed=2)
+    model.make_cache = lambda: [OwnCache() for _ in model.layers]
+    rows = dict(model_rows(Engine(model, make_tokenizer(), name="own-cache")))
+    assert "OwnCache (unknown to the engine)" in rows["Caches"] and "cannot roll back" in rows["--mode lookup"]
 
 
 def test_kv_bits_refused_in_one_line_when_the_head_dim_does_not_fit():

@@ -77,9 +77,9 @@ def test_rollback_leaves_cache_as_clean_forward():
     anchor = prompt[-1]
     base_next = mx.argmax(model(mx.array([prompt]), cache=make_prompt_cache(model))[0, -1]).item()
     drafts = [base_next, 11, 13, 17]  # first draft right, the rest (very likely) wrong
-    logits, _ = target.forward(mx.array([[anchor] + drafts]), cache)
+    logits, _, txn = target.verify(mx.array([[anchor] + drafts]), cache)
     n = 1
-    target.rollback(cache, len(drafts) - n)
+    txn.commit(n + 1)
     committed = prompt + drafts[:n]
     clean = make_prompt_cache(model)
     model(mx.array([committed]), cache=clean)

@@ -144,7 +144,7 @@ def test_auto_mode_follows_an_explicit_drafter_and_refuses_a_bad_one(tmp_path):
 
 
 def test_auto_mode_is_baseline_when_the_cache_cannot_roll_back(monkeypatch, tiny_qwen3):
-    monkeypatch.setattr(type(tiny_qwen3.target), "can_rollback", property(lambda self: False))
+    monkeypatch.setattr(tiny_qwen3.target, "speculation_blocker", lambda: "a cache it cannot roll back")
     assert registry.auto_mode(tiny_qwen3) == "baseline"
 
 

@@ -6,11 +6,13 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    p.add_argument("--model", default=None, nargs="?", const="",
+                   help="also load this model (no value: the starter) and show its caches and the modes it runs, "
+                        "or why it runs baseline")
 
 
 def run(args: argparse.Namespace) -> int:
     from engine.doctor import format_doctor
 
-    print(format_doctor())
+    print(format_doctor(args.model))
     return 0

@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise TandemError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     eng = load_engine(args)
+    for note in eng.notes:
+        print(f"tandem: {note}", file=sys.stderr)
     result = None
     for chunk in eng.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, max_draft=args.max_draft,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -11,7 +11,9 @@ from engine.registry import available, base_name, registry_path, rows, rows_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="show only the registry rows this model name matches")
+    p.add_argument("--model", default=None,
+                   help="show only the registry rows this model name matches; when it is on this machine, also "
+                        "load it and show which modes it runs (or why it runs baseline)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -36,13 +38,36 @@ def builtin_models() -> list[dict]:
     return list_builtin_models()
 
 
+def local_model_rows(spec: str) -> list[tuple[str, str]] | None:
+    """The loaded model's caches and modes (engine.doctor.model_rows), or None when it is not on
+    this machine."""
+    from engine.errors import TandemError
+    from engine.loading import resolve_model_path
+
+    try:
+        resolve_model_path(spec)
+    except TandemError:
+        return None
+    from engine.api import load
+    from engine.doctor import model_rows
+
+    return model_rows(load(spec))
+
+
 def run(args: argparse.Namespace) -> int:
     selected = rows_for(args.model) if args.model else rows()
     table = [dict(row, base_name=base_name(row["target"]), local=_status(row)) for row in selected]
     builtins = [] if args.model else builtin_models()
+    here = local_model_rows(args.model) if args.model else None
     if args.json:
-        print(json.dumps({"builtin": builtins, "registry": table}, indent=2))
+        out = {"builtin": builtins, "registry": table}
+        if here is not None:
+            out["model"] = dict(here)
+        print(json.dumps(out, indent=2))
         return 0
+    if here is not None:
+        width = max(len(label) for label, _ in here)
+        print("\n".join(f"{label:<{width}}  {value}" for label, value in here) + "\n")
     if builtins:
         print("Built-in models (work offline once installed):")
         print(_table(["name", "model", "installed", "about"],

@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"tandem: loading {args.model or 'the starter model'} ...", file=sys.stderr, flush=True)
     try:
         server.wait_ready()
+        for note in getattr(server.worker.engine, "notes", []):
+            print(f"tandem: {note}", file=sys.stderr)
         ctx = server.max_context
         print(f"tandem: serving {server.model_name} (mode {args.mode}, context {ctx or 'unknown'}) at {server.url}\n"
               f"  OpenAI:    {server.url}/v1/chat/completions   (base_url={server.url}/v1)\n"
