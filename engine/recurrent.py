@@ -1,8 +1,7 @@
 """Rewinding recurrent state (mlx-lm's ``ArraysCache``) to the accepted length of a verify.
 
-GatedDeltaNet (Qwen3.5/3.6, Qwen3-Next, Kimi-Linear), Mamba2 (Nemotron-H, Falcon-H1, Granite-4)
-and short convolutions (LFM2) keep a fixed-size state that every token replaces: there are no
-rows to trim. After a verify over ``[anchor] + drafts`` keeping ``kept`` rows, each such state
+GatedDeltaNet (Qwen3.5/3.6, Qwen3-Next), Mamba2 (Nemotron-H, Falcon-H1, Granite-4) and short
+convolutions (LFM2) keep a fixed-size state that every token replaces: there are no rows to trim. After a verify over ``[anchor] + drafts`` keeping ``kept`` rows, each such state
 must be the one after exactly ``kept`` rows. A ``Recorder`` watches, during a verify, the modules
 that receive such a cache (the innermost modules taking a ``cache`` argument) and rewinds them in
 one of two ways:
@@ -13,8 +12,11 @@ one of two ways:
   Nothing is recomputed at commit.
 * ``replay``: the module is re-run on the accepted rows from its state before the verify.
 
-A module whose state ``states`` cannot derive is replayed. ``TANDEM_RECURRENT_ROLLBACK`` (states |
-replay) picks the way; the Target proves the chosen way on the model at load, else the other.
+A module whose state ``states`` cannot derive is replayed; state changed where no watched module
+ran makes the transaction re-feed the kept rows through the whole model. ``TANDEM_RECURRENT_ROLLBACK``
+(states | replay) picks the way; the Target proves it on the model at load (else the other way,
+else speculation is refused), so a family this module was not written against is checked, not
+assumed.
 
 Watching swaps the class of the watched modules and of their ``nn.Conv1d`` layers for a subclass
 that records (parameter paths and the module tree stay unchanged), and wraps mlx-lm's

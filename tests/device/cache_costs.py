@@ -134,8 +134,8 @@ def build(kind: str, shape: dict, dtype: mx.Dtype) -> nn.Module:
     return model
 
 
-def quantize(model: nn.Module) -> nn.Module:
-    nn.quantize(model, group_size=64, bits=4,  # 4 bits is the only quantized precision measured
+def quantize(model: nn.Module, bits: int) -> nn.Module:
+    nn.quantize(model, group_size=64, bits=bits,
                 class_predicate=lambda _p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 64 == 0)
     mx.eval(model.parameters())
     return model
@@ -150,17 +150,17 @@ def median_ms(samples: list[float]) -> float:
 
 
 def rollback_part(eng: Engine, cache: list, ids: list[int], methods: list[str], reps: int, log) -> dict:
-    """Verify ms and commit ms per (method, width, kept) on the warm ``cache`` (restored after each)."""
+    """Verify ms and commit ms per (method, width, kept) on the warm ``cache`` (restored after
+    each); the methods interleaved, so a machine's drift hits them alike."""
     target = eng.target
-    out: dict = {}
-    for method in methods:
-        if target.recorder is not None:
-            target.recorder.method = method
-        rows: dict = {}
-        for width in (8, 16):
-            for kept in (range(1, width + 1) if width == 8 else (1, 2, 4, 8, 12, 16)):
-                verify_s, commit_s = [], []
-                for rep in range(reps + 1):
+    out: dict = {m: {} for m in methods}
+    for width in (8, 16):
+        for kept in (range(1, width + 1) if width == 8 else (1, 2, 4, 8, 12, 16)):
+            samples = {m: ([], []) for m in methods}
+            for rep in range(reps + 1):
+                for method in methods:
+                    if target.recorder is not None:
+                        target.recorder.method = method
                     save = caches.Savepoint(cache)
                     t0 = time.perf_counter()
                     logits, _, txn = target.verify(mx.array([ids[:width]]), cache)
@@ -171,10 +171,12 @@ def rollback_part(eng: Engine, cache: list, ids: list[int], methods: list[str], 
                     t2 = time.perf_counter()
                     save.rollback()
                     if rep:  # the first is a warm-up
-                        verify_s.append(t1 - t0)
-                        commit_s.append(t2 - t1)
-                rows[f"{width}/{kept}"] = {"verify_ms": median_ms(verify_s), "commit_ms": median_ms(commit_s)}
-        out[method] = rows
+                        samples[method][0].append(t1 - t0)
+                        samples[method][1].append(t2 - t1)
+            for method, (verify_s, commit_s) in samples.items():
+                v, c = median_ms(verify_s), median_ms(commit_s)
+                out[method][f"{width}/{kept}"] = {"verify_ms": v, "commit_ms": c, "round_ms": round(v + c, 3)}
+    for method, rows in out.items():
         log(f"  rollback {method}: " + ", ".join(f"{k} v{v['verify_ms']:.1f}+c{v['commit_ms']:.1f}"
                                                  for k, v in rows.items() if k.startswith("8/")))
     return out
@@ -217,11 +219,11 @@ def decode_part(eng: Engine, prompt: list[int], new_tokens: int, methods: list[s
 
 
 def target_part(kind: str, shape: dict, dtype: mx.Dtype, bits: int | None, context: int, new_tokens: int, reps: int,
-                log, holder: dict) -> dict:
+                log, holder: dict, decode: bool = True) -> dict:
     t0 = time.perf_counter()
     model = holder.get(kind) or build(kind, shape, dtype)
     if bits:
-        model = quantize(model)
+        model = quantize(model, bits)
         holder.pop(kind, None)  # quantized in place
     else:
         holder[kind] = model
@@ -247,7 +249,8 @@ def target_part(kind: str, shape: dict, dtype: mx.Dtype, bits: int | None, conte
         log(f"  verify ms ({method}): " + " ".join(f"{w}:{v:.1f}" for w, v in zip(widths, ms)))
     out["rollback"] = rollback_part(eng, cache, probe, methods, reps, log)
     del cache
-    out["decode"] = decode_part(eng, ids[: min(len(ids), 1024)], new_tokens, methods, log)
+    if decode:
+        out["decode"] = decode_part(eng, ids[: min(len(ids), 1024)], new_tokens, methods, log)
     if target.recorder is not None:
         target.recorder.method = "states"
     return out
@@ -314,6 +317,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=330.0, help="start no new part after this many seconds")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--bits", default="16,4", help="weight precisions to run: 16 (--dtype) and/or 4")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode part (curves and rollback only)")
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="toy shapes: a CPU check of the script")
     size.add_argument("--small", action="store_true", help="mid-size shapes (CPU figures)")
@@ -358,7 +362,7 @@ def main() -> int:
         for bits in [None if b == 16 else b for b in map(int, args.bits.split(","))]:
             attempt(f"{name}-{f'q{bits}' if bits else args.dtype}",
                     lambda: target_part(kind, shape, getattr(mx, args.dtype), bits, context, new_tokens, args.reps,
-                                        log, holder))
+                                        log, holder, decode=not args.no_decode))
         holder.clear()
     if "starter-overhead" in parts:
         attempt("starter-overhead", lambda: starter_overhead(48 if args.tiny else 160, log))
