@@ -186,6 +186,18 @@ def test_cache_after_every_commit_equals_a_clean_forward(monkeypatch, arch, meth
     assert {0, 1, 2, 3, 4} <= kept  # rejections at every position of a 4-token draft
 
 
+@pytest.mark.parametrize("arch", ["llama-sliding", "qwen3_5", "falcon_h1"])
+def test_draft_model_proposes_the_same_after_repeated_proposals(arch):
+    """Calibration proposes again and again from the same tokens, without commits: every
+    proposal must start from the committed tokens only (no stale drafted rows)."""
+    drafter = DraftModelDrafter(make_family_model(arch, seed=9), max_draft=5)
+    ids = prompts(2, 96, seed=5)[1] * 2  # longer than the window
+    drafter.begin(ids[:-1], None)
+    first = drafter.propose(ids, 5, GREEDY).tokens.tolist()
+    for cap in (5, 2, 5):
+        assert drafter.propose(ids, cap, GREEDY).tokens.tolist() == first[:cap]
+
+
 # ----------------------------------------------------------------------------------------
 # sampling
 # ----------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ forward is queued behind them without a host round trip.
 The draft steps write their rows into the draft model's cache. At the next proposal the rows of
 rejected drafts go: full-attention caches trim them (checked); a draft model with sliding
 windows or recurrent state (Gemma-3, Qwen3.5 as drafters) returns to the savepoint taken before
-the draft steps (engine/caches.py) and feeds the accepted drafts again with the new tokens.
+the proposal fed anything (engine/caches.py) and feeds those tokens again with the accepted
+drafts and the new ones, one forward of a few rows.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class DraftModelDrafter(Drafter):
         self._trims = True  # every layer of the draft model drops rows by trimming
         self._cached: list[int] = []  # tokens whose rows the draft cache holds, in order
         self._uncommitted = mx.array([], dtype=mx.uint32)  # drafts fed to the cache, not yet in _cached
-        self._savepoint: caches.Savepoint | None = None  # before the last proposal's draft steps
+        self._savepoint: caches.Savepoint | None = None  # before the last proposal fed its tokens
         self._saved = 0  # tokens the cache held at that savepoint
 
     def speculation_blocker(self) -> str | None:
@@ -71,6 +72,9 @@ class DraftModelDrafter(Drafter):
 
     def _sync(self, ids: Sequence[int]) -> list[int]:
         """Drop cached rows that are not a prefix of ``ids``; return the tokens still to feed."""
+        if self._uncommitted.size:  # proposed again without a commit (calibration): the drafts are in
+            self._cached += self._uncommitted.tolist()
+            self._uncommitted = mx.array([], dtype=mx.uint32)
         keep = 0
         for a, b in zip(self._cached, ids):
             if a != b:
@@ -82,7 +86,7 @@ class DraftModelDrafter(Drafter):
                 for c in caches.leaves(self._cache):
                     caches.trim(c, len(self._cached) - keep)
             elif self._savepoint is not None and keep >= self._saved:
-                self._savepoint.rollback()  # every draft row goes; the accepted ones are fed again
+                self._savepoint.rollback()  # everything the last proposal fed goes, and is fed again
                 keep = self._saved
             else:
                 raise caches.CacheError(f"draft cache holds {len(self._cached)} tokens, {keep} still valid, "
@@ -96,9 +100,9 @@ class DraftModelDrafter(Drafter):
         if cap <= 0:
             return None
         pending = self._sync(ids)
+        if not self._trims:
+            self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)
         logits = self.model(mx.array([pending]), cache=self._cache)[0, -1]
-        if not self._trims and cap > 1:
-            self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids)
         tokens, probs = [], []
         for i in range(cap):
             if sampler.greedy:
