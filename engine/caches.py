@@ -6,7 +6,7 @@ been fed. How is decided from the cache objects themselves, never from the model
 
 * ``KVCache``, ``QuantizedKVCache``, ``ChunkedKVCache``, ``ConcatenateKVCache``: trimmed, and the
   count actually trimmed is checked (mlx-lm's ``trim_prompt_cache`` trims nothing, silently, as
-  soon as one layer refuses).
+  soon as one layer refuses); a ``ConcatenateKVCache`` also loses the rows physically.
 * ``RotatingKVCache`` (sliding windows): a multi-row update (``_update_concat``) leaves the buffer in
   temporal order with the new rows last, so rejected rows are sliced off the end. mlx-lm's own
   ``trim`` only moves the write index (stale rows come back at the next reorder) and is refused
@@ -108,6 +108,8 @@ def trim(c: Any, n: int) -> None:
     got = c.trim(n)
     if got != n:
         raise CacheError(f"{type(c).__name__} trimmed {got} of {n} rows")
+    if type(c) is ConcatenateKVCache:  # its trim moves only the offset; updates concatenate onto keys
+        c.keys, c.values = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
 
 
 def trimmable_to(cache: list, tokens: int) -> bool:
@@ -242,6 +244,7 @@ class Verify(Savepoint):
         self.width = int(width)
         self.rewinder = rewinder
         self.rerun = rerun
+        self.committed = False
         if self.width > 1:
             super().__init__(cache)
         else:  # a one-row forward is a plain step: there is never anything to undo
@@ -251,6 +254,9 @@ class Verify(Savepoint):
         width = self.width
         if not 0 <= kept <= width or (width == 1 and kept == 0):
             raise CacheError(f"cannot keep {kept} of a {width}-row forward")
+        if self.committed:
+            raise CacheError("this verify was committed already")
+        self.committed = True
         drop = width - kept
         if drop == 0:
             return
@@ -278,7 +284,8 @@ class Verify(Savepoint):
                 _drop_rotating(c, drop)
             else:
                 if c.offset != self.marks[i] + width:
-                    raise CacheError(f"{type(c).__name__} grew by {c.offset - self.marks[i]} rows in a {width}-row forward")
+                    raise CacheError(f"{type(c).__name__} grew by {c.offset - self.marks[i]} rows "
+                                     f"in a {width}-row forward")
                 trim(c, drop)
 
 

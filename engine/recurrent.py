@@ -1,10 +1,11 @@
 """Rewinding recurrent state (mlx-lm's ``ArraysCache``) to the accepted length of a verify.
 
 GatedDeltaNet (Qwen3.5/3.6, Qwen3-Next), Mamba2 (Nemotron-H, Falcon-H1, Granite-4) and short
-convolutions (LFM2) keep a fixed-size state that every token replaces: there are no rows to trim. After a verify over ``[anchor] + drafts`` keeping ``kept`` rows, each such state
-must be the one after exactly ``kept`` rows. A ``Recorder`` watches, during a verify, the modules
-that receive such a cache (the innermost modules taking a ``cache`` argument) and rewinds them in
-one of two ways:
+convolutions (LFM2) keep a fixed-size state that every token replaces: there are no rows to trim.
+After a verify over ``[anchor] + drafts`` keeping ``kept`` rows, each such state must be the one
+after exactly ``kept`` rows. A ``Recorder`` watches, during a verify, the modules that receive
+such a cache (the innermost modules taking a ``cache`` argument) and rewinds them in one of two
+ways:
 
 * ``states`` (per-position states): the recurrence runs one position at a time and keeps every
   state (mlx-lm's recurrences on CPU and CUDA are a loop over positions already); a convolution's

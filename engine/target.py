@@ -199,7 +199,8 @@ class Target:
         """The layer caches by kind and how a verify rolls them back (for ``tandem doctor``)."""
         text = caches.describe(self.new_cache())
         if self.recorder is not None:
-            text += f"; recurrent state rewound by {'per-position states' if self.recorder.method == 'states' else 'replay'}"
+            way = "per-position states" if self.recorder.method == "states" else "replay"
+            text += f"; recurrent state rewound by {way}"
         return text
 
     def speculation_blocker(self) -> str | None:

@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from engine import caches, platform
 from engine.drafters.base import Draft, Drafter
@@ -54,7 +54,8 @@ def noisy_copy(arch: str, seed: int, noise: float, **kw) -> nn.Module:
     right often but not always, so drafts are rejected at every position."""
     model = make_family_model(arch, seed=seed, **kw)
     params = dict(tree_flatten(model.parameters()))
-    key = next(k for k in ("lm_head.weight", "language_model.lm_head.weight", "model.embed_tokens.weight") if k in params)
+    key = next(k for k in ("lm_head.weight", "language_model.lm_head.weight", "model.embed_tokens.weight")
+               if k in params)
     w = params[key]
     model.load_weights([(key, w + noise * mx.abs(w).mean() * mx.random.normal(w.shape, key=mx.random.key(seed)))],
                        strict=False)
@@ -98,10 +99,10 @@ def assert_cache_is_clean(target: Target, cache: list, ids: list[int], label: st
             rows = min(a.offset, a.max_size)
             pairs = [(a._temporal_order(x)[..., -rows:, :], b._temporal_order(y)[..., -rows:, :])
                      for x, y in ((a.keys, b.keys), (a.values, b.values))]
-        elif type(a) is QuantizedKVCache:
-            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values))]
-        else:
-            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in ((a.keys, b.keys), (a.values, b.values))]
+        else:  # a quantized cache holds (data, scales, biases) per side
+            mine = (*a.keys, *a.values) if type(a) is QuantizedKVCache else (a.keys, a.values)
+            clean_ = (*b.keys, *b.values) if type(b) is QuantizedKVCache else (b.keys, b.values)
+            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in zip(mine, clean_)]
         for x, y in pairs:
             assert x.shape == y.shape and mx.allclose(x, y, atol=1e-4, rtol=1e-3).item(), where
     nxt = mx.array([[ids[-1]]])
@@ -157,7 +158,8 @@ def test_greedy_output_identical_in_every_mode(tmp_path, arch):
 # ----------------------------------------------------------------------------------------
 # the caches after every commit
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch,method", [(a, m) for a in FAMILIES for m in (("states", "replay") if a in RECURRENT else (None,))])
+@pytest.mark.parametrize("arch,method", [(a, m) for a in FAMILIES
+                                         for m in (("states", "replay") if a in RECURRENT else (None,))])
 def test_cache_after_every_commit_equals_a_clean_forward(monkeypatch, arch, method):
     model = make_family_model(arch, seed=5)
     target = Target(model, rollback_method=method)
@@ -396,8 +398,17 @@ def test_a_trim_that_trims_nothing_is_an_error_not_silence():
         caches.trim_to([c], c.offset - 2)
     with pytest.raises(caches.CacheError, match="trimmed 0 of 2 rows"):
         caches.trim(KVCache(), 2)
+    cat = ConcatenateKVCache()  # its own trim keeps the rows, and the next update would reuse them
+    cat.update_and_fetch(mx.zeros((1, 1, 5, 8)), mx.zeros((1, 1, 5, 8)))
+    caches.trim(cat, 2)
+    keys, _ = cat.update_and_fetch(mx.ones((1, 1, 1, 8)), mx.ones((1, 1, 1, 8)))
+    assert cat.offset == 4 and keys.shape[2] == 4 and keys[0, 0, 3, 0].item() == 1
     with pytest.raises(caches.CacheError, match="cannot keep 0 of a 1-row forward"):
         caches.Verify([c], 1).commit(0)
+    txn = caches.Verify([KVCache()], 1)
+    txn.commit(1)
+    with pytest.raises(caches.CacheError, match="committed already"):
+        txn.commit(1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -458,7 +469,8 @@ def test_doctor_shows_a_models_caches_and_modes():
     from engine.doctor import model_rows
 
     rows = dict(model_rows(Engine(make_family_model("nemotron_h", seed=2), make_tokenizer(), name="hybrid")))
-    assert rows["Caches"].startswith("2 ArraysCache (recurrent), 1 KVCache (full attention); recurrent state rewound by")
+    assert rows["Caches"].startswith("2 ArraysCache (recurrent), 1 KVCache (full attention); "
+                                     "recurrent state rewound by")
     assert rows["--mode lookup"] == "runs"
     model = make_family_model("llama-sliding", seed=2)
     model.make_cache = lambda: [OwnCache() for _ in model.layers]

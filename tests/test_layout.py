@@ -12,7 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # core and model loading, and everything under engine.drafters
 CORE = {"engine", "engine.errors", "engine.paths", "engine.platform", "engine.sampling", "engine.target",
-        "engine.caches", "engine.recurrent", "engine.speculative", "engine.detokenize", "engine.loading", "engine.gguf", "engine.starter"}
+        "engine.caches", "engine.recurrent",
+        "engine.speculative", "engine.detokenize", "engine.loading", "engine.gguf", "engine.starter"}
 FRONT_ENDS = ("engine.cli", "engine.serve", "engine.train")
 
 

@@ -192,8 +192,8 @@ def decode_part(eng: Engine, prompt: list[int], new_tokens: int, methods: list[s
         res = eng.generate(prompt, mode=mode, max_new_tokens=new_tokens, max_draft=cap)
         spec = res.rounds[1:]
         return {"tok_s": round(res.decode_tps, 2), "tokens": res.generated, "rounds": len(spec),
-                "tokens_per_round": round(res.mean_accepted, 3), "ms_per_round": round(1000 * res.decode_s / max(1, len(spec)), 3),
-                "token_ids": res.token_ids}
+                "tokens_per_round": round(res.mean_accepted, 3),
+                "ms_per_round": round(1000 * res.decode_s / max(1, len(spec)), 3), "token_ids": res.token_ids}
 
     out: dict = {}
     out["baseline"] = base = run("baseline")
