@@ -269,7 +269,10 @@ class Target:
     def _feed(self, ids: mx.array, cache: list) -> None:
         """Append ``ids`` to the caches (no logits needed)."""
         self.forwards += 1
-        self.trunk(ids, cache) if self._split else self.model(ids, cache=cache)
+        if self._split:
+            self.trunk(ids, cache)
+        else:
+            self.model(ids, cache=cache)
 
     def _prove_rollback(self) -> str | None:
         """Prove on this model that a verify keeping 2 of 5 rows leaves the recurrent caches as a
