@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from engine.caches import Verify
 
 METHODS = ("states", "replay")
+# Measured on a CPU (tests/device/cache_costs.py --small, Qwen3.5 shapes at 1024 wide, fp32, 8-row
+# verifies): per-position states cost no measurable verify time and 0.3 ms per commit; replay
+# commits cost 17-40 ms (7-17% of a round) whenever a draft is rejected. H200: the same script.
 DEFAULT_METHOD = "states"
 METHOD_ENV = "TANDEM_RECURRENT_ROLLBACK"
 
