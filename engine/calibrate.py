@@ -124,7 +124,7 @@ def _target_id(engine: EngineLike) -> str:
 
 def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
     parts = [mode, drafter.name, f"max{drafter.max_draft}"]
-    spec = engine.draft_model_spec if mode == "draft" else engine.drafter_path if mode in ("dspark", "dflash") else None
+    spec = engine.draft_model_spec if mode == "draft" else engine.drafter_path if mode in ("dspark", "dflash", "eagle3", "mtp") else None
     if spec:
         parts.append(Path(str(spec)).name)
     model = getattr(drafter, "model", None)
@@ -315,7 +315,7 @@ def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None 
     if drafter is None:
         drafter = engine.drafter(mode)
     if drafter is None:
-        raise TandemError(f"mode '{mode}' has no drafter to calibrate: pick lookup, draft, dspark or dflash")
+        raise TandemError(f"mode '{mode}' has no drafter to calibrate: pick lookup, draft, dspark, dflash, eagle3 or mtp")
     if context < 64:
         raise TandemError(f"calibration context must be at least 64 tokens, got {context}")
     fields = key_fields(engine, mode, drafter, context)

@@ -19,7 +19,7 @@ from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
 
-MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash")
+MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash", "eagle3", "mtp")
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
@@ -109,7 +109,7 @@ class Engine:
         self.loaded = loaded  # engine.loading.LoadedModel when loaded from disk
         self.target = Target(model, tokenizer, name=name)
         self._drafters: dict[tuple, Drafter] = {}
-        self.drafter_path: str | None = None  # DSpark/DFlash checkpoint chosen by the user
+        self.drafter_path: str | None = None  # DSpark/DFlash/EAGLE-3 checkpoint or MTP sidecar chosen by the user
         self.draft_model_spec: str | None = None
         self.drafter_bits: int | None = None  # None: 4-bit on Metal/CUDA, float32 on the CPU backend
         self.confidence_threshold: float | None = None

@@ -3,6 +3,8 @@ auto chooses."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.protocols import EngineLike
@@ -11,6 +13,7 @@ from engine.speculative import CapPolicy
 # Fixed caps used when no calibration is asked for (--max-draft omitted).
 DEFAULT_CAPS = {"lookup": 16, "draft": 4}
 BLOCK_MODES = ("dspark", "dflash")
+CHECKPOINT_MODES = (*BLOCK_MODES, "eagle3")  # a drafter folder (--drafter or a registry row)
 
 
 def make_drafter(engine: EngineLike, mode: str) -> Drafter | None:
@@ -31,6 +34,10 @@ def make_drafter(engine: EngineLike, mode: str) -> Drafter | None:
         return DraftModelDrafter(loaded.model)
     if mode in BLOCK_MODES:
         return block_drafter(engine, mode)
+    if mode == "eagle3":
+        return eagle3_drafter(engine)
+    if mode == "mtp":
+        return mtp_drafter(engine)
     raise TandemError(f"unknown mode '{mode}'")
 
 
@@ -50,12 +57,11 @@ def drafter_bits(engine: EngineLike) -> int | None:
     return bits if bits in VALID_BITS else None
 
 
-def block_drafter(engine: EngineLike, mode: str) -> Drafter:
-    """The DSpark/DFlash drafter for ``engine``: its --drafter, else the registry's locally
-    available drafter for this target, behind n-gram lookup when ``engine.lookup_first`` (or,
-    left unset, the registry row) asks. Refuses, in one line, anything it cannot run exactly."""
+def _checkpoint(engine: EngineLike, mode: str) -> tuple[Path, dict | None]:
+    """The drafter folder for ``mode``: --drafter, else the registry's locally available drafter
+    for this target (and its row)."""
     from engine import registry
-    from engine.drafters.checkpoint import load_checkpoint, resolve_drafter_path
+    from engine.drafters.checkpoint import resolve_drafter_path
 
     spec, row = engine.drafter_path, None
     if not spec:
@@ -63,18 +69,12 @@ def block_drafter(engine: EngineLike, mode: str) -> Drafter:
         if row is None:
             raise TandemError(registry.missing_drafter_message(engine, mode))
         spec = row["drafter"]
-    path = resolve_drafter_path(spec)
-    model, cfg = load_checkpoint(path, engine.target, mode=mode, bits=drafter_bits(engine),
-                                 draft_vocab=engine.draft_vocab)
-    drafter: Drafter
-    if cfg.kind == "dspark":
-        from engine.drafters.dspark import DSparkDrafter
+    return resolve_drafter_path(spec), row
 
-        drafter = DSparkDrafter(model, cfg, engine.target, confidence_threshold=lambda: engine.confidence_threshold)
-    else:
-        from engine.drafters.dflash import DFlashDrafter
 
-        drafter = DFlashDrafter(model, cfg, engine.target)
+def _behind_lookup(engine: EngineLike, drafter: Drafter, row: dict | None) -> Drafter:
+    """The drafter behind n-gram lookup when ``engine.lookup_first`` (or, left unset, the
+    registry row) asks."""
     lookup_first = engine.lookup_first
     if lookup_first is None:  # the registry row's measured choice for this pair
         lookup_first = bool(row and row.get("lookup_first"))
@@ -83,6 +83,73 @@ def block_drafter(engine: EngineLike, mode: str) -> Drafter:
 
         return LookupFirst(drafter)
     return drafter
+
+
+def block_drafter(engine: EngineLike, mode: str) -> Drafter:
+    """The DSpark/DFlash drafter for ``engine``. Refuses, in one line, anything it cannot run
+    exactly."""
+    from engine.drafters.checkpoint import load_checkpoint
+
+    path, row = _checkpoint(engine, mode)
+    model, cfg = load_checkpoint(path, engine.target, mode=mode, bits=drafter_bits(engine),
+                                 draft_vocab=engine.draft_vocab)
+    drafter: Drafter
+    if cfg.kind == "dspark":
+        from engine.drafters.dspark import DSparkDrafter
+
+        drafter = DSparkDrafter(model, cfg, engine.target, confidence_threshold=lambda: engine.confidence_threshold)
+    elif cfg.dflash2:
+        from engine.drafters.dflash2 import DFlash2Drafter
+
+        drafter = DFlash2Drafter(model, cfg, engine.target)
+    else:
+        from engine.drafters.dflash import DFlashDrafter
+
+        drafter = DFlashDrafter(model, cfg, engine.target)
+    return _behind_lookup(engine, drafter, row)
+
+
+def eagle3_drafter(engine: EngineLike) -> Drafter:
+    from engine.drafters.eagle3 import Eagle3Drafter
+    from engine.drafters.formats import load_eagle3
+
+    path, row = _checkpoint(engine, "eagle3")
+    model, vocab_ids = load_eagle3(path, engine.target, bits=drafter_bits(engine))
+    return _behind_lookup(engine, Eagle3Drafter(model, engine.target, vocab_ids), row)
+
+
+def _sidecar_path(spec: str) -> Path:
+    from engine.drafters.checkpoint import resolve_drafter_path
+
+    file = Path(spec).expanduser()
+    return file if file.is_file() else resolve_drafter_path(spec)
+
+
+def mtp_drafter(engine: EngineLike) -> Drafter:
+    """The target's own MTP head (from its folder), or the sidecar --drafter names."""
+    from engine import registry
+    from engine.drafters import formats
+
+    if engine.drafter_path:
+        drafter = formats.mtp_drafter_from_sidecar(engine.target, _sidecar_path(engine.drafter_path),
+                                                   registry.model_config(engine), engine.tokenizer)
+    else:
+        drafter = formats.mtp_drafter_from_model(engine.target, registry.model_folder(engine),
+                                                 registry.model_config(engine), where=engine.name)
+    return _behind_lookup(engine, drafter, None)
+
+
+def mtp_problem(engine: EngineLike) -> str | None:
+    """Why --mode mtp cannot run on this engine, or None. Reads configs and file headers only."""
+    from engine import registry
+
+    if engine.drafter_path:
+        try:
+            kind = registry.drafter_path_kind(engine.drafter_path)
+        except TandemError as e:
+            return str(e)
+        return None if kind == "mtp" else f"the drafter {engine.drafter_path} is a {registry.LABELS[kind]} checkpoint (--mode {kind})"
+    return registry.own_mtp_problem(engine)
 
 
 def speculation_blocker(engine: EngineLike) -> str | None:
@@ -123,8 +190,10 @@ def mode_support(engine: EngineLike, modes: tuple[str, ...]) -> dict[str, str | 
             reason = blocker + "; only baseline runs"
         elif mode == "draft":
             reason = None if engine.draft_model_spec else "needs a draft model sharing the tokenizer (--draft-model)"
-        elif mode in BLOCK_MODES:
-            reason = registry.block_drafter_problem(engine, mode)
+        elif mode in CHECKPOINT_MODES:
+            reason = registry.drafter_problem(engine, mode)
+        elif mode == "mtp":
+            reason = mtp_problem(engine)
         else:
             reason = None
         support[mode] = reason

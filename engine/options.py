@@ -16,7 +16,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF repo id (from the local HF cache), local mlx-lm folder, .gguf file, or a built-in name; "
                         "default: the starter model SmolLM2-135M-Instruct")
-    p.add_argument("--drafter", default=None, help="DSpark/DFlash checkpoint: HF repo id or local folder")
+    p.add_argument("--drafter", default=None,
+                   help="DSpark/DFlash/EAGLE-3 checkpoint (HF repo id or local folder), or for --mode mtp an MTP "
+                        "sidecar (folder or .safetensors) when the model's own folder has no MTP head")
     p.add_argument("--draft-model", default=None, help="small autoregressive draft model sharing the tokenizer (--mode draft)")
     p.add_argument("--drafter-bits", type=int, default=None,
                    help="quantize drafter weights to this many bits where quantized matmul is fast (Metal/CUDA; default 4)")
@@ -30,7 +32,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize the target's full-attention KV cache to this many bits (group size 64) on "
                         "Metal/CUDA; off on the CPU backend, where quantized kernels are slower than float")
     p.add_argument("--lookup-first", action=argparse.BooleanOptionalAction, default=None,
-                   help="DSpark/DFlash: take n-gram lookup's draft when the context repeats itself, the drafter's "
+                   help="model drafters: take n-gram lookup's draft when the context repeats itself, the drafter's "
                         "otherwise (default: the registry's choice for the pair)")
 
 

@@ -11,12 +11,15 @@ drafter bundled with the app.
 checkpoint's own format when the user gave ``--drafter``; the first registry row whose drafter
 is on this machine and passes the compatibility checks; else n-gram lookup. So every model
 runs, and a mode that needs a missing file is never chosen silently. A row with
-``"auto": false`` (and a ``"why"``) still gives ``--mode dspark/dflash`` its drafter, but
-``--mode auto`` passes it over: measured slower than lookup for that target.
+``"auto": false`` (and a ``"why"``) still gives ``--mode dspark/dflash/eagle3`` its drafter, but
+``--mode auto`` passes it over: measured slower than lookup for that target. An ``mtp`` row's
+drafter is ``model:mtp``, the target checkpoint's own MTP head: usable when the loaded folder
+still has its ``mtp.*`` tensors (mlx-community conversions strip them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from functools import lru_cache
@@ -25,7 +28,8 @@ from pathlib import Path
 from engine.errors import TandemError
 from engine.protocols import EngineLike
 
-LABELS = {"dspark": "DSpark", "dflash": "DFlash"}
+LABELS = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "EAGLE-3", "mtp": "MTP"}
+OWN_HEAD = "model:mtp"  # an mtp row's drafter: the target checkpoint's own MTP head
 
 # Trailing tags that name a quantization or packaging, not a model.
 _TAG = re.compile(
@@ -70,7 +74,9 @@ def _load(path: str) -> tuple[dict, ...]:
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("target", "mode", "drafter")):
             raise TandemError(f"{path}: pair {i} needs string 'target', 'mode' and 'drafter'")
         if row["mode"] not in LABELS:
-            raise TandemError(f"{path}: pair {i} has mode '{row['mode']}' (dspark or dflash)")
+            raise TandemError(f"{path}: pair {i} has mode '{row['mode']}' ({', '.join(LABELS)})")
+        if (row["mode"] == "mtp") != (row["drafter"] == OWN_HEAD):
+            raise TandemError(f"{path}: pair {i}: an mtp row's drafter is '{OWN_HEAD}', and only an mtp row's")
     return tuple(rows)
 
 
@@ -107,11 +113,14 @@ def lookup(model_name: str) -> dict | None:
 
 
 def available(row: dict) -> bool:
-    """Whether the row's drafter is on this machine (bundled, or in the local HF cache)."""
+    """Whether the row's drafter is on this machine (bundled, or in the local HF cache; an own
+    MTP head comes with the model)."""
     from engine.drafters.checkpoint import resolve_drafter_path
 
     if row.get("supported", True) is False:
         return False
+    if row["drafter"] == OWN_HEAD:
+        return True
     try:
         resolve_drafter_path(row["drafter"])
         return True
@@ -120,19 +129,28 @@ def available(row: dict) -> bool:
 
 
 def _usable(row: dict, engine: EngineLike) -> bool:
-    """Available, in a format we run, and made for this target (config checks only)."""
+    """Available, in a format we run, and made for this target (configs and headers only)."""
+    from engine.drafters import formats
     from engine.drafters.block import check_compatible, parse_config
     from engine.drafters.checkpoint import read_config, resolve_drafter_path
 
     if not available(row):
         return False
     try:
+        if row["drafter"] == OWN_HEAD:
+            return engine.drafter_path is None and own_mtp_problem(engine) is None
         path = resolve_drafter_path(row["drafter"])
-        cfg = parse_config(read_config(path), f"drafter {path}")
-        check_compatible(cfg, engine.target, f"drafter {path}")
+        raw = read_config(path)
+        where = f"drafter {path}"
+        kind = formats.drafter_kind(raw, where)
+        if kind == "eagle3":
+            formats.check_eagle3_compatible(formats.parse_eagle3_config(raw, engine.target.num_layers, where),
+                                            engine.target, where)
+        else:
+            check_compatible(parse_config(raw, where), engine.target, where)
     except TandemError:
         return False
-    return cfg.kind == row["mode"]
+    return kind == row["mode"]
 
 
 def usable_row(engine: EngineLike, mode: str | None = None, *, for_auto: bool = False) -> dict | None:
@@ -143,11 +161,12 @@ def usable_row(engine: EngineLike, mode: str | None = None, *, for_auto: bool = 
 
 
 def missing_drafter_message(engine: EngineLike, mode: str) -> str:
-    """Why ``--mode dspark/dflash`` has no drafter for this engine, and what to do."""
+    """Why ``--mode dspark/dflash/eagle3`` has no drafter for this engine, and what to do."""
     label = LABELS.get(mode, mode)
     found = rows_for(engine, mode)
     if not found:
-        return (f"--mode {mode} needs a {label} drafter: pass --drafter (a checkpoint folder or Hugging Face repo id); "
+        article = "an" if label[0] in "AEIOU" else "a"
+        return (f"--mode {mode} needs {article} {label} drafter: pass --drafter (a checkpoint folder or Hugging Face repo id); "
                 f"none is registered for {engine.name}")
     row = found[0]
     if row.get("supported", True) is False:
@@ -158,30 +177,66 @@ def missing_drafter_message(engine: EngineLike, mode: str) -> str:
     return f"--mode {mode}: the registered drafter {row['drafter']} does not fit {engine.name}; pass --drafter"
 
 
+def model_config(engine: EngineLike) -> dict:
+    """The target's config.json (or, for a model built in code, its args)."""
+    loaded = getattr(engine, "loaded", None)
+    if loaded is not None and isinstance(getattr(loaded, "config", None), dict):
+        return loaded.config
+    try:
+        return dataclasses.asdict(getattr(engine.model, "args", None))
+    except TypeError:
+        return {}
+
+
+def model_folder(engine: EngineLike) -> Path | None:
+    loaded = getattr(engine, "loaded", None)
+    return Path(str(loaded.path)) if loaded is not None and getattr(loaded, "path", None) else None
+
+
+def own_mtp_problem(engine: EngineLike) -> str | None:
+    """Why the target's own MTP head cannot draft (none in its folder, a layout we do not run), or None."""
+    from engine.drafters import formats
+
+    try:
+        problem = formats.mtp_layout_problem(model_config(engine), engine.name)
+        if problem is None and not formats.mtp_files(model_folder(engine)):
+            problem = (f"{engine.name} ships no MTP head (mlx-community conversions strip it): load the original "
+                       f"checkpoint or pass an MTP sidecar with --drafter")
+    except TandemError as e:
+        problem = str(e)
+    return problem
+
+
+def drafter_path_kind(spec: str) -> str:
+    """The kind of drafter ``--drafter`` names ('mtp' for a bare .safetensors sidecar)."""
+    from engine.drafters.checkpoint import read_config, resolve_drafter_path
+    from engine.drafters.formats import drafter_kind, mtp_files
+
+    file = Path(spec).expanduser()
+    if file.is_file() and file.suffix == ".safetensors":
+        return "mtp"
+    path = resolve_drafter_path(spec)
+    if not (path / "config.json").is_file() and mtp_files(path):  # a bare sidecar folder
+        return "mtp"
+    return drafter_kind(read_config(path), f"drafter {path}")
+
+
 def auto_mode(engine: EngineLike) -> str:
     """The mode --mode auto runs (see the module docstring)."""
-    from engine.drafters.block import checkpoint_kind
-    from engine.drafters.checkpoint import read_config, resolve_drafter_path
-
     if engine.target.speculation_blocker() is not None:
         return "baseline"
     if engine.drafter_path:
-        path = resolve_drafter_path(engine.drafter_path)
-        return checkpoint_kind(read_config(path), f"drafter {path}")
+        return drafter_path_kind(engine.drafter_path)
     row = usable_row(engine, for_auto=True)
     return row["mode"] if row else "lookup"
 
 
-def block_drafter_problem(engine: EngineLike, mode: str) -> str | None:
-    """Why ``--mode dspark/dflash`` cannot run on this engine (no drafter on this machine, or the
-    --drafter checkpoint is of the other kind), or None. Reads configs only."""
-    from engine.drafters.block import checkpoint_kind
-    from engine.drafters.checkpoint import read_config, resolve_drafter_path
-
+def drafter_problem(engine: EngineLike, mode: str) -> str | None:
+    """Why ``--mode dspark/dflash/eagle3`` cannot run on this engine (no drafter on this machine,
+    or the --drafter checkpoint is of another kind), or None. Reads configs only."""
     if engine.drafter_path:
         try:
-            path = resolve_drafter_path(engine.drafter_path)
-            kind = checkpoint_kind(read_config(path), f"drafter {path}")
+            kind = drafter_path_kind(engine.drafter_path)
         except TandemError as e:
             return str(e)
         return None if kind == mode else f"the drafter {engine.drafter_path} is a {LABELS[kind]} checkpoint (--mode {kind})"

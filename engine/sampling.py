@@ -152,3 +152,15 @@ def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
     if width > vocab:
         return q[..., :vocab]
     return mx.concatenate([q, mx.zeros((*q.shape[:-1], vocab - width), dtype=q.dtype)], axis=-1)
+
+
+def spread_to_vocab(q: mx.array, ids: mx.array | None, vocab: int) -> mx.array:
+    """q [k, n] over a drafter's own token list -> [k, vocab] over the target's vocabulary,
+    zeros elsewhere. ``ids``: the target token of each column, [n] (one list for every row, a
+    reduced draft vocabulary) or [k, n] (per row, e.g. candidates); None: q is already [k, vocab]."""
+    if ids is None:
+        return q
+    ids = ids.astype(mx.int32)
+    if ids.ndim == 1:
+        ids = mx.broadcast_to(ids[None], q.shape)
+    return mx.put_along_axis(mx.zeros((q.shape[0], vocab), dtype=q.dtype), ids, q, axis=-1)

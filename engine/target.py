@@ -4,7 +4,9 @@ mlx-lm models return logits only. DSpark and DFlash drafters read the residual s
 few decoder layers ("tap layers"), so the wrapper swaps those layers for thin proxies that keep
 their output. The model's own forward still runs, so the tapped logits are the model's logits
 by construction; the load-time probe proves it anyway (and catches a model whose forward does
-something the proxy breaks) and refuses the tap otherwise.
+something the proxy breaks) and refuses the tap otherwise. Tap id ``FINAL`` is the final norm's
+output, the lm_head input at every row (native MTP heads read it); its probe also checks that the
+head applied to the captured rows gives the model's logits.
 
 The forward is split into trunk (``model.model``: embeddings, layers, final norm) and head
 (``lm_head`` or the tied embedding), so prefill and plain steps apply the head to the rows that
@@ -31,6 +33,7 @@ from engine.errors import TandemError
 PROBE_TOLERANCE = 1e-3
 LOW_PRECISION_TOLERANCE = 2e-2  # bf16/fp16 models: rounding of differently chunked forwards
 PREFILL_CHUNK = 512
+FINAL = -1  # tap id of the final norm's output (the lm_head input)
 
 
 class _TapSink:
@@ -141,11 +144,14 @@ class Target:
 
     def set_taps(self, layer_ids: Sequence[int]) -> None:
         """Tap the outputs of these decoder layers (0-based; the final layer is refused
-        because DSpark/DFlash train on pre-norm residuals). Probed before use."""
+        because DSpark/DFlash train on pre-norm residuals) and, for ``FINAL``, of the final
+        norm. Probed before use."""
         layer_ids = tuple(int(i) for i in layer_ids)
         if layer_ids == self.tap_layers:
             return
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers - 1]
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers - 1 and i != FINAL]
+        if FINAL in layer_ids and not isinstance(getattr(self.trunk, "norm", None), nn.Module):
+            raise TandemError(f"hidden-state tap refused for {self.name}: it has no final norm ('norm') to tap")
         if bad:
             raise TandemError(
                 f"tap layer ids {bad} out of range for {self.name}: it has {self.num_layers} layers "
@@ -155,7 +161,10 @@ class Target:
         probe = self._probe_ids()
         reference = self._full_logits(probe)
         for i in layer_ids:
-            self.layers[i] = TapLayer(self.layers[i], i, self._sink)
+            if i == FINAL:
+                self.trunk.norm = TapLayer(self.trunk.norm, i, self._sink)
+            else:
+                self.layers[i] = TapLayer(self.layers[i], i, self._sink)
         self.tap_layers = layer_ids
         try:
             verify_tap(self, probe, reference)
@@ -165,9 +174,11 @@ class Target:
 
     def clear_taps(self) -> None:
         for i in self.tap_layers:
-            layer = self.layers[i]
-            if isinstance(layer, TapLayer):
-                self.layers[i] = layer.layer
+            if i == FINAL:
+                if isinstance(self.trunk.norm, TapLayer):
+                    self.trunk.norm = self.trunk.norm.layer
+            elif isinstance(self.layers[i], TapLayer):
+                self.layers[i] = self.layers[i].layer
         self.tap_layers = ()
 
     # -- the calls the loop makes -------------------------------------------------------------
@@ -334,6 +345,11 @@ def verify_tap(target: Target, probe: mx.array, reference: mx.array) -> None:
         raise TandemError(f"hidden-state tap refused for {target.name}: captured shape {got}, expected {want}")
     if not mx.all(mx.isfinite(hidden)).item():
         raise TandemError(f"hidden-state tap refused for {target.name}: captured states are not finite")
+    if FINAL in target.tap_layers:  # the captured rows must be what the head reads
+        h = target.hidden_size
+        i = target.tap_layers.index(FINAL)
+        if not _close(target.head(hidden[:, i * h : (i + 1) * h])[None], reference):
+            raise TandemError(f"hidden-state tap refused for {target.name}: its final norm's output is not its lm_head input")
 
 
 def _close(a: mx.array, b: mx.array, tolerance: float = PROBE_TOLERANCE, relative: bool = False) -> bool:

@@ -1,6 +1,7 @@
-"""Write tiny random DSpark / DFlash checkpoints in the exact on-disk format of the released
-ones (DeepSpec ``deepseek-ai/dspark_*_block7``, z-lab ``*-DFlash-b16``): ``config.json`` plus
-``model.safetensors`` with the real key names, ``[out, in]`` weights.
+"""Write tiny random drafter checkpoints in the exact on-disk format of the released ones
+(DeepSpec ``deepseek-ai/dspark_*_block7``, z-lab ``*-DFlash-b16`` and DFlash 2, vLLM speculators
+EAGLE-3 and SafeAILab EAGLE-3, Qwen3.5 ``mtp.*`` tensors in a model folder or an MLX sidecar):
+``config.json`` plus ``model.safetensors`` with the real key names, ``[out, in]`` weights.
 
 The key layout is written out here by hand from the published checkpoints (spec/drafters.md),
 independently of ``engine/drafters/block.py``, so loading these files with the engine's strict
@@ -157,6 +158,155 @@ def dflash_checkpoint(target: dict, *, layers: int = 1, block_size: int = 16, ta
                dflash_config={"mask_token_id": mask_token_id,
                               "target_layer_ids": list(taps) if taps is not None else default_taps(target["num_hidden_layers"])})
     return cfg, random_weights(dflash_keys(cfg), seed, scale)
+
+
+def dflash2_keys(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """DFlash 2 (incoai/z-lab ``DFlash2DraftModel``): DFlash plus two dynamic convolutions per layer
+    and the candidate selector (codebooks stored without ``.weight``)."""
+    h, v = cfg["hidden_size"], cfg["vocab_size"]
+    d = cfg["dflash_config"]
+    k, g, r = d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"]
+    keys = dflash_keys(cfg)
+    for i in range(cfg["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            keys[f"layers.{i}.{conv}.base_kernel"] = (2, k, h)
+            keys[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * k * h // g, h)
+    keys.update({"candidate_selector.predecessor_codebook": (v, r), "candidate_selector.successor_codebook": (v, r),
+                 "candidate_selector.hidden_projection.weight": (r, h)})
+    return keys
+
+
+def dflash2_checkpoint(target: dict, *, layers: int = 1, block_size: int = 8, taps: Sequence[int] | None = None,
+                       mask_token_id: int = 1, rank: int = 16, top_k: int = 8, group: int = 16, window: int = 2048,
+                       seed: int = 0, scale: float = 0.02) -> tuple[dict, dict[str, np.ndarray]]:
+    """The published DFlash 2 config: every layer ``sliding_attention``, ``is_causal: false``."""
+    cfg = _config(target, layers=layers, taps=taps)
+    cfg.update(architectures=["DFlash2DraftModel"], is_causal=False, sliding_window=window, use_sliding_window=True,
+               layer_types=["sliding_attention"] * layers,
+               dflash_config={"block_size": block_size, "mask_token_id": mask_token_id, "conv_kernel_size": 2,
+                              "conv_group_size": group, "selector_rank": rank, "selector_top_k": top_k,
+                              "target_layer_ids": list(taps) if taps is not None else default_taps(target["num_hidden_layers"])})
+    return cfg, random_weights(dflash2_keys(cfg), seed, scale)
+
+
+# -- EAGLE-3 ---------------------------------------------------------------------------------
+def eagle3_keys(layer: dict, *, target_hidden: int, n_aux: int = 3, draft_vocab: int, midlayer: bool = False,
+                own_embedding: bool = False, fc_bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """A speculators ``Eagle3Speculator`` state dict (``midlayer.*`` for SafeAILab/SpecForge)."""
+    h, nh, nkv, f = layer["hidden_size"], layer["num_attention_heads"], layer["num_key_value_heads"], layer["intermediate_size"]
+    d = layer.get("head_dim") or h // nh
+    p = "midlayer." if midlayer else "layers.0."
+    keys = {"fc.weight": (h, n_aux * target_hidden), "norm.weight": (h,), "lm_head.weight": (draft_vocab, h),
+            p + "hidden_norm.weight": (h,), p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nh * d, 2 * h), p + "self_attn.k_proj.weight": (nkv * d, 2 * h),
+            p + "self_attn.v_proj.weight": (nkv * d, 2 * h), p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)}
+    if fc_bias:
+        keys["fc.bias"] = (h,)
+    if own_embedding:
+        keys["embed_tokens.weight"] = (layer["vocab_size"], h)
+    return keys
+
+
+def eagle3_checkpoint(target: dict, *, draft_tokens: Sequence[int] | None = None, aux: Sequence[int] | None = None,
+                      norm_before_residual: bool = True, layout: str = "speculators", speculative_tokens: int = 5,
+                      seed: int = 0, scale: float = 0.02, own_embedding: bool = False,
+                      fc_bias: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+    """A speculators EAGLE-3 folder for ``target`` (one Llama layer, a reduced draft vocabulary
+    listing ``draft_tokens`` with ``d2t``/``t2d``), or SafeAILab's flat config with ``midlayer.*``."""
+    v = target["vocab_size"]
+    tokens = list(draft_tokens) if draft_tokens is not None else list(range(v))
+    layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": target["hidden_size"],
+             "intermediate_size": target["intermediate_size"], "num_attention_heads": target["num_attention_heads"],
+             "num_key_value_heads": target["num_key_value_heads"], "head_dim": target["head_dim"], "num_hidden_layers": 1,
+             "hidden_act": "silu", "rms_norm_eps": target["rms_norm_eps"], "rope_theta": 10000.0, "rope_scaling": None,
+             "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False, "vocab_size": v}
+    if layout == "speculators":
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": len(tokens),
+               "norm_before_residual": norm_before_residual, "target_hidden_size": None,
+               "eagle_aux_hidden_state_layer_ids": list(aux) if aux is not None else None,
+               "transformer_layer_config": layer, "speculators_version": "0.2.0",
+               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                                            "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                      "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "tiny"}}}
+    else:
+        cfg = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(tokens))
+        if aux is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    keys = eagle3_keys(layer, target_hidden=target["hidden_size"], draft_vocab=len(tokens), midlayer=layout != "speculators",
+                       own_embedding=own_embedding, fc_bias=fc_bias)
+    w = random_weights(keys, seed, scale)
+    w["d2t"] = np.array([t - i for i, t in enumerate(tokens)], dtype=np.int64)
+    t2d = np.zeros(v, dtype=bool)
+    t2d[tokens] = True
+    w["t2d"] = t2d
+    return cfg, w
+
+
+# -- native MTP heads (Qwen3.5) -----------------------------------------------------------------
+def qwen3_5_text_config(*, hidden: int = 64, layers: int = 4, vocab: int = 96, experts: int = 0) -> dict:
+    """A tiny Qwen3.5 ``text_config`` (hybrid: every second layer full attention) with one MTP layer."""
+    cfg = {"model_type": "qwen3_5_text", "hidden_size": hidden, "num_hidden_layers": layers,
+           "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+           "vocab_size": vocab, "rms_norm_eps": 1e-6, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+           "full_attention_interval": 2, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+           "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [2, 1, 1]}}
+    if experts:
+        cfg.update(model_type="qwen3_5_moe_text", num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, decoder_sparse_step=1, norm_topk_prob=True)
+    return cfg
+
+
+def mtp_keys(tc: dict, *, prefix: str = "mtp.") -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's ``mtp.*`` tensors (HF layout; MoE experts fused as ``experts.gate_up_proj``)."""
+    h, nh, nkv, d = tc["hidden_size"], tc["num_attention_heads"], tc["num_key_value_heads"], tc["head_dim"]
+    p = prefix + "layers.0."
+    keys = {prefix + "fc.weight": (h, 2 * h), prefix + "pre_fc_norm_embedding.weight": (h,),
+            prefix + "pre_fc_norm_hidden.weight": (h,), prefix + "norm.weight": (h,),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (2 * nh * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    e = tc.get("num_experts", 0)
+    if e:
+        fm, fs = tc["moe_intermediate_size"], tc["shared_expert_intermediate_size"]
+        keys.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * fm, h),
+                     p + "mlp.experts.down_proj": (e, h, fm), p + "mlp.shared_expert.gate_proj.weight": (fs, h),
+                     p + "mlp.shared_expert.up_proj.weight": (fs, h), p + "mlp.shared_expert.down_proj.weight": (h, fs),
+                     p + "mlp.shared_expert_gate.weight": (1, h)})
+    else:
+        f = tc["intermediate_size"]
+        keys.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+    return keys
+
+
+def mtp_tensors(tc: dict, *, seed: int = 0, scale: float = 0.05, prefix: str = "mtp.") -> dict[str, np.ndarray]:
+    """Random HF-layout MTP tensors: norms zero-centred (stored w, applied as 1 + w)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in mtp_keys(tc, prefix=prefix).items():
+        std = 0.1 if "norm" in name.split(".")[-2] else scale
+        out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def write_model_folder(out: str | Path, model, config: dict, tokenizer, extra: dict[str, np.ndarray] | None = None) -> Path:
+    """An mlx-lm model folder for ``model`` (its weights, config.json, tokenizer files) plus ``extra``
+    tensors (e.g. ``mtp.*``, which mlx-lm's loader drops) in the same safetensors."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+    weights.update(extra or {})
+    write(out, config, weights)
+    tokenizer._tokenizer.save_pretrained(str(out))
+    return out
 
 
 def copy_target_head(weights: dict[str, np.ndarray], model) -> None:

@@ -7,14 +7,16 @@ from typing import Optional
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash")  # = engine.generate.MODES (no MLX here)
+MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash", "eagle3", "mtp")  # = engine.generate.MODES (no MLX here)
 MODE_HELP = {
-    "auto": "the registry's best mode for this model (DSpark, DFlash or lookup)",
+    "auto": "the registry's best mode for this model (a drafter on this machine, else lookup)",
     "baseline": "plain decoding, one target forward per token",
     "lookup": "prompt-lookup drafts: copies n-grams from the context (no drafter model)",
     "draft": "a small autoregressive draft model sharing the tokenizer",
     "dspark": "DSpark block drafter on the target's hidden states",
-    "dflash": "DFlash block-diffusion drafter",
+    "dflash": "DFlash block-diffusion drafter (DFlash 2 too)",
+    "eagle3": "EAGLE-3 head on the target's hidden states (speculators / SpecForge checkpoints)",
+    "mtp": "the model's own multi-token-prediction head (Qwen3.5 / 3.6 / 3.8, Qwen3-Next)",
 }
 # Colours used by plots and the race diff (kept in one place to match style.qss).
 ACCENT = "#3563e9"

@@ -13,7 +13,7 @@ from engine.options import add_model_arguments, load_engine
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
-    p.add_argument("--mode", default="lookup", choices=("auto", "lookup", "draft", "dspark", "dflash"),
+    p.add_argument("--mode", default="lookup", choices=("auto", "lookup", "draft", "dspark", "dflash", "eagle3", "mtp"),
                    help="which drafter's curves to measure (default: lookup)")
     p.add_argument("--recalibrate", action="store_true", help="measure again even if this pair is cached")
     p.add_argument("--passes", type=int, default=PASSES, help=f"timed passes per width (default {PASSES})")

@@ -5,13 +5,18 @@ Both drafters read the target's hidden states at a few *tap layers*, project the
 ``[anchor, MASK, ...]``: queries come from the block rows only, keys/values are the context
 rows followed by the block rows, RoPE is applied at absolute positions (context 0..p-1, block
 p..p+B-1 where p is the anchor's position). The block sees the whole committed context and
-itself bidirectionally (DFlash ``sliding_attention`` layers are causal and windowed).
+itself bidirectionally. DFlash layers follow z-lab's reference: no layer is causal unless the
+config's ``is_causal`` says so (the reference runs every layer with ``is_causal=False``), and a
+``sliding_attention`` layer sees keys within ``sliding_window`` positions on either side, the
+symmetric non-causal window flash-attention applies (the reference's sdpa path ignores the
+window; the two agree whenever the context fits in it).
 
 * DSpark (DeepSpec ``Qwen3DSparkModel``): own ``embed_tokens``/``lm_head``, the anchor is
   prediction slot 0 (B drafts from B inputs), optional Markov head (vanilla / gated / rnn)
   and confidence head. See ``engine/drafters/dspark.py``.
 * DFlash (z-lab ``DFlashDraftModel``, ``*-DFlash-b16``): no embedding or head of its own (it
-  uses the target's), drafts from slots 1..B-1. See ``engine/drafters/dflash.py``.
+  uses the target's), drafts from slots 1..B-1. See ``engine/drafters/dflash.py``; DFlash 2
+  (dynamic convolutions, candidate selector): ``engine/drafters/dflash2.py``.
 
 The context cache holds one K/V row per committed token whose hidden state the target has
 produced (``ids[:-1]``). ``commit`` appends the rows the target just committed; nothing is ever
@@ -66,7 +71,7 @@ class BlockConfig:
     num_target_layers: int | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    is_causal: bool | None = None  # DFlash override of the per-layer rule
+    is_causal: bool | None = None  # DFlash: true makes every layer causal (z-lab's default: none is)
     tie_word_embeddings: bool = False
     # DSpark heads
     markov_rank: int = 0
@@ -77,6 +82,11 @@ class BlockConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 (dflash_config): dynamic convolutions and the candidate selector; 0 = DFlash 1
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     # DSpark: embed_tokens/lm_head are the target's (frozen copies in DeepSpec), so the
     # checkpoint leaves them out and the loader takes them from the target (tandem train-drafter)
     use_target_embeddings: bool = False
@@ -93,14 +103,16 @@ class BlockConfig:
     def max_draft(self) -> int:
         return self.block_size - self.logits_start
 
+    @property
+    def dflash2(self) -> bool:
+        return self.selector_top_k > 0
+
     def layer_attention(self, i: int) -> tuple[bool, int | None]:
-        """(causal, window) for drafter layer i."""
+        """(causal, window) for drafter layer i: causal only when the config says so; a sliding
+        layer's window is symmetric unless causal (see the module docstring)."""
         layer_type = self.layer_types[i] if self.layer_types else "full_attention"
         sliding = layer_type == "sliding_attention"
-        if self.kind == "dflash":
-            causal = sliding if self.is_causal is None else bool(self.is_causal)
-        else:
-            causal = False
+        causal = self.kind == "dflash" and bool(self.is_causal)
         return causal, (self.sliding_window if sliding else None)
 
 
@@ -113,16 +125,21 @@ def _drafter_value(raw: dict, name: str, default: Any = None) -> Any:
 
 
 def checkpoint_kind(raw: dict, where: str = "drafter") -> str:
-    """'dspark' or 'dflash' from a config.json, or a one-line refusal for formats we don't run."""
+    """'dspark' or 'dflash' (DFlash 2 included) from a config.json, or a one-line refusal naming
+    what the folder holds instead."""
     archs = [str(a) for a in (raw.get("architectures") or [])]
-    if "speculators_config" in raw or "draft_vocab_size" in raw:
-        raise TandemError(f"{where}: reduced-vocabulary 'speculators' drafters are not supported")
+    if raw.get("speculators_model_type") == "eagle3" or any("eagle3" in a.lower() for a in archs):
+        raise TandemError(f"{where} is an EAGLE-3 checkpoint; use --mode eagle3")
+    if "mtp" in str(raw.get("model_type", "")).lower():
+        raise TandemError(f"{where} is an MTP head (sidecar); use --mode mtp")
+    if "speculators_config" in raw or "speculators_model_type" in raw:
+        kind = raw.get("speculators_model_type", "?")
+        raise TandemError(f"{where}: the vLLM speculators '{kind}' packaging is not supported (EAGLE-3 is: --mode eagle3)")
     if any("eagle" in a.lower() for a in archs):
-        raise TandemError(f"{where}: EAGLE drafters ({', '.join(archs)}) are not supported; use a DSpark or DFlash drafter")
+        raise TandemError(f"{where}: EAGLE-1/2 drafters ({', '.join(archs)}) are not supported; EAGLE-3 is (--mode eagle3)")
     if isinstance(raw.get("dflash_config"), dict):
-        sub = raw["dflash_config"]
-        if any(k in sub or k in raw for k in ("selector_rank", "selector_top_k", "conv_kernel_size")):
-            raise TandemError(f"{where}: DFlash 2 drafters (candidate selector, dynamic convolutions) are not supported")
+        if _drafter_value(raw, "draft_window_size") is not None:
+            raise TandemError(f"{where}: DFlash 'draft_window_size' is not supported")
         if int(raw.get("markov_rank", 0) or 0) > 0:
             raise TandemError(f"{where}: DFlash drafters with a Markov head are not supported")
         return "dflash"
@@ -209,7 +226,25 @@ def parse_config(raw: dict, where: str = "drafter") -> BlockConfig:
         cfg.output_multiplier = float(_drafter_value(raw, "output_multiplier", 1.0) or 1.0)
         cap = _drafter_value(raw, "final_logit_softcapping")
         cfg.final_logit_softcapping = float(cap) if cap else None
+        if _drafter_value(raw, "selector_top_k") is not None or _drafter_value(raw, "conv_kernel_size") is not None:
+            _parse_dflash2(cfg, raw, where)
     return cfg
+
+
+def _parse_dflash2(cfg: BlockConfig, raw: dict, where: str) -> None:
+    """DFlash 2's selector and convolution sizes, checked against the backbone."""
+    def positive(name: str) -> int:
+        value = _int(raw, name, where, value=_drafter_value(raw, name))
+        if value <= 0:
+            raise TandemError(f"{where}: DFlash 2 '{name}' must be positive, got {value}")
+        return value
+
+    cfg.conv_kernel_size, cfg.conv_group_size = positive("conv_kernel_size"), positive("conv_group_size")
+    cfg.selector_rank, cfg.selector_top_k = positive("selector_rank"), positive("selector_top_k")
+    if cfg.hidden_size % cfg.conv_group_size:
+        raise TandemError(f"{where}: conv_group_size {cfg.conv_group_size} does not divide hidden_size {cfg.hidden_size}")
+    if cfg.selector_top_k > cfg.vocab_size:
+        raise TandemError(f"{where}: selector_top_k {cfg.selector_top_k} is larger than the vocabulary")
 
 
 def target_hidden_size(target: "Target") -> int:

@@ -186,8 +186,13 @@ def restrict_vocab(model: "DSparkModel", ids: Sequence[int]) -> None:
     """FR-Spec: keep only these rows of the drafter's head and Markov output, so a proposal
     reads len(ids) x H head weights instead of V x H. Drafts can then only be these tokens;
     what the target accepts is unchanged (the verify rule sees the q drafts came from)."""
-    idx = mx.array([int(i) for i in ids], dtype=mx.uint32)
-    full = model.embed_tokens.weight if model.cfg.tie_word_embeddings else model.lm_head.weight
+    current = model.cfg.draft_vocab
+    if current:  # already restricted: pick rows by their place in the current list
+        where = {t: i for i, t in enumerate(current)}
+        idx = mx.array([where[int(i)] for i in ids], dtype=mx.uint32)
+    else:
+        idx = mx.array([int(i) for i in ids], dtype=mx.uint32)
+    full = model.embed_tokens.weight if model.cfg.tie_word_embeddings and not current else model.lm_head.weight
     head = nn.Linear(model.cfg.hidden_size, len(ids), bias=False)
     head.weight = full[idx]
     model.lm_head = head
@@ -211,7 +216,7 @@ def quantize_drafter(model: nn.Module, bits: int, group_size: int = QUANT_GROUP)
     return model
 
 
-def _compute_dtype(target: "Target") -> mx.Dtype:
+def compute_dtype(target: "Target") -> mx.Dtype:
     from engine import platform
 
     if platform.prefers_dense_float32():
@@ -227,8 +232,9 @@ def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bi
                     dtype: mx.Dtype | None = None, draft_vocab: int | None = None) -> tuple[BlockBackbone, BlockConfig]:
     """Read, check (config, target compatibility, keys, shapes) and load a drafter folder.
 
-    ``draft_vocab`` (DSpark): None drafts from every token the folder's ``draft_vocab.json``
-    lists (the full vocabulary without one), 0 from the full vocabulary, N from its first N."""
+    ``draft_vocab`` (DSpark): None drafts from every token the folder lists (``d2t``, else
+    ``draft_vocab.json``; the full vocabulary without either), 0 from the full vocabulary, N from
+    the first N listed."""
     where = f"drafter {path}"
     raw = read_config(path)
     cfg = parse_config(raw, where)
@@ -236,26 +242,108 @@ def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bi
         label = {"dspark": "DSpark", "dflash": "DFlash"}
         raise TandemError(f"{where} is a {label[cfg.kind]} checkpoint; use --mode {cfg.kind} (not --mode {mode})")
     check_compatible(cfg, target, where)
+    if draft_vocab is not None and draft_vocab < 0:
+        raise TandemError(f"draft vocabulary size must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     weights = read_weights(path)
-    model = build_model(cfg)
-    shared = TARGET_EMBEDDING_KEYS if cfg.kind == "dspark" and cfg.use_target_embeddings else ()
-    check_weights(model, weights, where, skip=shared)
-    dtype = dtype or _compute_dtype(target)
+    listed, reduced = _listed_vocab(cfg, raw, weights, path, where)
+    model = build_drafter_model(cfg)
+    shared = tuple(k for k in TARGET_EMBEDDING_KEYS if k not in weights) \
+        if cfg.kind == "dspark" and cfg.use_target_embeddings else ()
+    check_weights(model, weights, where, skip=shared + tuple(reduced))
+    dtype = dtype or compute_dtype(target)
     weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    reduced = {k: v.astype(dtype) for k, v in reduced.items()}
     if shared:  # use_target_embeddings: the target's embedding and head, as at training
         copy_target_embeddings(model, target, dtype)
-    model.load_weights(list(weights.items()), strict=not shared)
-    if cfg.kind == "dspark" and draft_vocab != 0:
-        if draft_vocab is not None and draft_vocab < 0:
-            raise TandemError(f"draft vocabulary size must be >= 0 (0: the full vocabulary), got {draft_vocab}")
-        ids = read_draft_vocab(path, cfg.vocab_size, where)
-        if ids is not None:
-            restrict_vocab(model, ids[:draft_vocab] if draft_vocab else ids)
+    model.load_weights(list(weights.items()), strict=not (shared or reduced))
+    if listed is not None and reduced:  # the head is stored over the listed tokens only
+        if draft_vocab == 0:
+            raise TandemError(f"{where} drafts from its {len(listed)}-token vocabulary (d2t): it cannot draft "
+                              f"from the full vocabulary (--draft-vocab 0)")
+        restrict_vocab(model, listed)
+        model.load_weights(list(reduced.items()), strict=False)
+    if listed is not None and draft_vocab != 0:
+        restrict_vocab(model, listed[:draft_vocab] if draft_vocab else listed)
     if bits:
         quantize_drafter(model, bits)
     model.eval()
     mx.eval(model.parameters())
     return model, cfg
+
+
+def build_drafter_model(cfg: BlockConfig) -> BlockBackbone:
+    """DSpark, DFlash or DFlash 2 model for a parsed config (lazy)."""
+    if cfg.dflash2:
+        from engine.drafters.dflash2 import DFlash2Model
+
+        return DFlash2Model(cfg)
+    return build_model(cfg)
+
+
+REDUCED_KEYS = ("lm_head.weight", "markov_head.markov_w2.weight")  # rows over the draft vocabulary
+
+
+def _listed_vocab(cfg: BlockConfig, raw: dict, weights: dict[str, mx.array], path: Path, where: str
+                  ) -> tuple[list[int] | None, dict[str, mx.array]]:
+    """A DSpark folder's draft vocabulary (``d2t`` in the weights, the vLLM speculators packaging,
+    else ``draft_vocab.json``) and the tensors stored over it only (popped from ``weights``)."""
+    d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
+    if cfg.kind != "dspark":
+        if d2t is not None or "draft_vocab_size" in raw:
+            raise TandemError(f"{where}: a reduced draft vocabulary (d2t) is only supported for DSpark drafters")
+        return None, {}
+    size = raw.get("draft_vocab_size", cfg.vocab_size if d2t is None else int(d2t.shape[0]))
+    ids = draft_vocab_ids(d2t, t2d, size, cfg.vocab_size, where)
+    from_file = read_draft_vocab(path, cfg.vocab_size, where)
+    listed = [int(i) for i in ids.tolist()] if ids is not None else from_file
+    if ids is not None and from_file is not None and set(from_file) != set(listed):
+        raise TandemError(f"{where}: {DRAFT_VOCAB_FILE} and d2t list different tokens")
+    reduced = {}
+    for key in REDUCED_KEYS:
+        w = weights.get(key)
+        if listed is not None and w is not None and w.shape[0] == len(listed) != cfg.vocab_size:
+            reduced[key] = weights.pop(key)
+    if ids is not None and len(listed) != cfg.vocab_size and "lm_head.weight" in weights:
+        raise TandemError(f"{where}: lm_head has {weights['lm_head.weight'].shape[0]} rows, d2t lists {len(listed)} tokens")
+    if cfg.markov_rank and "markov_head.markov_w1.weight" in weights and weights["markov_head.markov_w1.weight"].shape[0] != cfg.vocab_size:
+        raise TandemError(f"{where}: a Markov head whose input embedding covers the draft vocabulary only "
+                          f"(markov_w1 over draft ids) is not supported")
+    return listed, reduced
+
+
+def draft_vocab_ids(d2t: mx.array | None, t2d: mx.array | None, draft_vocab: int, vocab: int,
+                    where: str) -> mx.array | None:
+    """The target token of each draft column (``i + d2t[i]``), checked, or None when there is no
+    ``d2t`` and the draft vocabulary is the target's own. ``t2d``, when present, must mark
+    exactly those tokens."""
+    if isinstance(draft_vocab, bool) or not isinstance(draft_vocab, int) or not 0 < draft_vocab <= vocab:
+        raise TandemError(f"{where}: draft_vocab_size must be an integer in 1..{vocab}, got {draft_vocab!r}")
+    if d2t is None:
+        if draft_vocab != vocab:
+            raise TandemError(f"{where}: a reduced draft vocabulary ({draft_vocab} of {vocab} tokens) needs a 'd2t' tensor")
+        return None
+    if d2t.ndim != 1 or d2t.shape[0] != draft_vocab or not mx.issubdtype(d2t.dtype, mx.integer):
+        raise TandemError(f"{where}: d2t must be {draft_vocab} integer offsets, got {d2t.dtype} {list(d2t.shape)}")
+    ids = mx.arange(draft_vocab, dtype=mx.int64) + d2t.astype(mx.int64)
+    lo, hi = mx.min(ids).item(), mx.max(ids).item()
+    if lo < 0 or hi >= vocab:
+        raise TandemError(f"{where}: d2t maps draft tokens outside the vocabulary (0..{vocab - 1}): {lo}..{hi}")
+    listed = mx.zeros((vocab,), dtype=mx.int32).at[ids].add(1)
+    if mx.max(listed).item() > 1:
+        raise TandemError(f"{where}: d2t maps two draft tokens to the same token")
+    if t2d is not None and (tuple(t2d.shape) != (vocab,) or not mx.array_equal(t2d.astype(mx.int32), listed).item()):
+        raise TandemError(f"{where}: t2d does not mark the tokens d2t lists")
+    return ids.astype(mx.uint32)
+
+
+def vocab_tensors(ids: Sequence[int], vocab: int) -> dict[str, mx.array]:
+    """``d2t`` (int64 offsets, in the order listed) and ``t2d`` (bool mask) for a draft vocabulary,
+    as vLLM speculators checkpoints store it."""
+    ids = [int(i) for i in ids]
+    d2t = mx.array([t - i for i, t in enumerate(ids)], dtype=mx.int64)
+    t2d = mx.zeros((vocab,), dtype=mx.bool_)
+    t2d[mx.array(ids)] = True
+    return {"d2t": d2t, "t2d": t2d}
 
 
 # ----------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import mlx.core as mx
 from engine.drafters.base import Draft
 from engine.drafters.block import BlockConfig, BlockDrafter, DSparkModel
 from engine.errors import TandemError
-from engine.sampling import Sampler, sample_from
+from engine.sampling import Sampler, sample_from, spread_to_vocab
 
 if TYPE_CHECKING:
     from engine.target import Target
@@ -46,7 +46,8 @@ def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler,
         else:
             q = sampler.probs(base)
             tokens = to_token(sample_from(q, sampler.next_key())).astype(mx.uint32)
-        return tokens, _full_vocab(q, vocab, model.cfg.vocab_size), mx.concatenate([prev[None], tokens[:-1]])
+        return tokens, spread_to_vocab(q, vocab, model.cfg.vocab_size) if q is not None else None, \
+            mx.concatenate([prev[None], tokens[:-1]])
     state = head.initial_state(h.dtype)
     tokens, probs, prevs = [], [], []
     for k in range(h.shape[0]):
@@ -61,17 +62,8 @@ def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler,
             tok = sample_from(q, sampler.next_key())
         prev = to_token(tok).astype(mx.uint32)
         tokens.append(prev)
-    q = _full_vocab(mx.stack(probs), vocab, model.cfg.vocab_size) if probs else None
+    q = spread_to_vocab(mx.stack(probs), vocab, model.cfg.vocab_size) if probs else None
     return mx.stack(tokens), q, mx.stack(prevs)
-
-
-def _full_vocab(q: mx.array | None, vocab: mx.array | None, size: int) -> mx.array | None:
-    """q over a draft vocabulary [k, N] -> over the target's vocabulary [k, V] (zeros elsewhere)."""
-    if q is None or vocab is None:
-        return q
-    full = mx.zeros((q.shape[0], size), dtype=q.dtype)
-    full[:, vocab] = q
-    return full
 
 
 def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
