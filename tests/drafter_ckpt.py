@@ -208,34 +208,43 @@ def eagle3_keys(layer: dict, *, target_hidden: int, n_aux: int = 3, draft_vocab:
     return keys
 
 
-def eagle3_checkpoint(target: dict, *, draft_tokens: Sequence[int] | None = None, aux: Sequence[int] | None = None,
-                      norm_before_residual: bool = True, layout: str = "speculators", speculative_tokens: int = 5,
-                      seed: int = 0, scale: float = 0.02, own_embedding: bool = False,
-                      fc_bias: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
-    """A speculators EAGLE-3 folder for ``target`` (one Llama layer, a reduced draft vocabulary
-    listing ``draft_tokens`` with ``d2t``/``t2d``), or SafeAILab's flat config with ``midlayer.*``."""
+def eagle3_config(target: dict, *, draft_vocab: int, aux: Sequence[int] | None = None, norm_before_residual: bool = True,
+                  layout: str = "speculators", speculative_tokens: int = 5) -> dict:
+    """A speculators EAGLE-3 config.json (one Llama layer), or SafeAILab's flat one."""
     v = target["vocab_size"]
-    tokens = list(draft_tokens) if draft_tokens is not None else list(range(v))
     layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": target["hidden_size"],
              "intermediate_size": target["intermediate_size"], "num_attention_heads": target["num_attention_heads"],
              "num_key_value_heads": target["num_key_value_heads"], "head_dim": target["head_dim"], "num_hidden_layers": 1,
              "hidden_act": "silu", "rms_norm_eps": target["rms_norm_eps"], "rope_theta": 10000.0, "rope_scaling": None,
              "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False, "vocab_size": v}
     if layout == "speculators":
-        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": len(tokens),
-               "norm_before_residual": norm_before_residual, "target_hidden_size": None,
-               "eagle_aux_hidden_state_layer_ids": list(aux) if aux is not None else None,
-               "transformer_layer_config": layer, "speculators_version": "0.2.0",
-               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
-                                                            "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-                                      "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "tiny"}}}
-    else:
-        cfg = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(tokens))
-        if aux is not None:
-            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
-    keys = eagle3_keys(layer, target_hidden=target["hidden_size"], draft_vocab=len(tokens), midlayer=layout != "speculators",
-                       own_embedding=own_embedding, fc_bias=fc_bias)
+        return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "draft_vocab_size": draft_vocab,
+                "norm_before_residual": norm_before_residual, "target_hidden_size": None,
+                "eagle_aux_hidden_state_layer_ids": list(aux) if aux is not None else None,
+                "transformer_layer_config": layer, "speculators_version": "0.2.0",
+                "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                                             "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+                                       "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "tiny"}}}
+    cfg = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab)
+    if aux is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux)}
+    return cfg
+
+
+def eagle3_checkpoint(target: dict, *, draft_tokens: Sequence[int] | None = None, aux: Sequence[int] | None = None,
+                      norm_before_residual: bool = True, layout: str = "speculators", speculative_tokens: int = 5,
+                      seed: int = 0, scale: float = 0.02, own_embedding: bool = False,
+                      fc_bias: bool = False) -> tuple[dict, dict[str, np.ndarray]]:
+    """An EAGLE-3 folder for ``target`` with a reduced draft vocabulary listing ``draft_tokens``
+    (``d2t``/``t2d``); ``layout="safeailab"``: flat config, ``midlayer.*``."""
+    v = target["vocab_size"]
+    tokens = list(draft_tokens) if draft_tokens is not None else list(range(v))
+    cfg = eagle3_config(target, draft_vocab=len(tokens), aux=aux, norm_before_residual=norm_before_residual,
+                        layout=layout, speculative_tokens=speculative_tokens)
+    layer = cfg.get("transformer_layer_config", cfg)
+    keys = eagle3_keys(layer, target_hidden=target["hidden_size"], n_aux=len(aux) if aux is not None else 3,
+                       draft_vocab=len(tokens), midlayer=layout != "speculators", own_embedding=own_embedding, fc_bias=fc_bias)
     w = random_weights(keys, seed, scale)
     w["d2t"] = np.array([t - i for i, t in enumerate(tokens)], dtype=np.int64)
     t2d = np.zeros(v, dtype=bool)

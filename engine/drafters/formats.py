@@ -426,9 +426,6 @@ def load_eagle3(path: Path, target: "Target", *, bits: int | None = None, dtype:
                for k, v in read_weights(path).items() if not _VERIFIER.match(k)}
     cfg.fc_bias = "fc.bias" in weights
     cfg.own_embedding = "embed_tokens.weight" in weights
-    fc = weights.get("fc.weight")
-    if fc is not None and fc.ndim == 2:
-        cfg.target_hidden_size = int(fc.shape[1]) // len(cfg.aux_layer_ids)
     check_eagle3_compatible(cfg, target, where)
     d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
     vocab_ids = draft_vocab_ids(d2t, t2d, cfg.draft_vocab_size, cfg.vocab_size, where)
