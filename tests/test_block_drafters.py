@@ -93,11 +93,16 @@ def reference_block(weights: dict, cfg: dict, ctx_hidden: np.ndarray, block_ids:
         k = rms((src @ g[p + "self_attn.k_proj.weight"].T).reshape(m + b, nkv, d), g[p + "self_attn.k_norm.weight"], eps)
         v = (src @ g[p + "self_attn.v_proj.weight"].T).reshape(m + b, nkv, d)
         q, k = rope(q, pos_blk, theta), rope(k, np.concatenate([pos_ctx, pos_blk]), theta)
-        # DFlash sliding_attention layers are causal and windowed; everything else sees all.
+        # z-lab's reference: no layer is causal unless the config says is_causal; a
+        # sliding_attention layer sees keys less than sliding_window positions away on either
+        # side (flash-attention's non-causal window), only on the past when causal.
         q_pos, k_pos = pos_blk[:, None], np.arange(m + b)[None, :]
         visible = np.ones((b, m + b), dtype=bool)
+        causal = bool((cfg.get("dflash_config") or {}).get("is_causal", cfg.get("is_causal")))
+        if causal:
+            visible &= k_pos <= q_pos
         if (cfg.get("layer_types") or ["full_attention"] * (i + 1))[i] == "sliding_attention":
-            visible = (k_pos <= q_pos) & (q_pos - k_pos < cfg["sliding_window"])
+            visible &= np.abs(q_pos - k_pos) < cfg["sliding_window"]
         out = np.zeros((b, nh, d))
         for j in range(nh):
             kj = j // (nh // nkv)
@@ -212,15 +217,16 @@ def test_new_model_saves_in_the_same_format_and_reloads(tmp_path):
 # ----------------------------------------------------------------------------------------
 # the block forward and the heads
 # ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash-sliding"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "dflash-sliding", "dflash-sliding-causal"])
 def test_append_only_context_matches_a_clean_numpy_forward(tmp_path, kind):
     engine = make_tiny_engine("qwen3", seed=2)
     if kind == "dspark":
         path = write_dspark(tmp_path / kind, engine, layers=2, taps=[0, 2], copy_head=False)
     else:
         path = write_dflash(tmp_path / kind, engine, layers=2, taps=[0, 2], block_size=6)
-        if kind == "dflash-sliding":  # z-lab: sliding_attention layers are causal and windowed
-            _edit(path, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+        if kind.startswith("dflash-sliding"):  # a window of 4 cuts the context (and the block, both ways)
+            _edit(path, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                  is_causal=kind.endswith("causal") or None)
         kind = "dflash"
     drafter = drafter_for(engine, path, kind)
     target = engine.target
@@ -650,9 +656,9 @@ def test_every_incompatible_checkpoint_is_refused_before_use(tmp_path):
     # Formats and modes.
     assert "use --mode dspark" in _refusal(engine, ok("kind"), mode="dflash")
     p = ok("eagle"); _edit(p, architectures=["LlamaForCausalLMEagle3"], markov_rank=None, enable_confidence_head=None)
-    assert "EAGLE" in _refusal(engine, p)
-    d = write_dflash(tmp_path / "d2", engine, taps=[0, 2]); _edit(d, selector_rank=64)
-    assert "DFlash 2" in _refusal(engine, d, mode="dflash")
+    assert "is an EAGLE-3 checkpoint; use --mode eagle3" in _refusal(engine, p)
+    d = write_dflash(tmp_path / "d2", engine, taps=[0, 2]); _edit(d, dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 2], "draft_window_size": 64})
+    assert "draft_window_size" in _refusal(engine, d, mode="dflash")
     p = ok("gemma"); _edit(p, model_type="gemma4_text")
     assert "Gemma-4" in _refusal(engine, p)
     d = write_dflash(tmp_path / "d1", engine, taps=[0, 2]); _edit(d, block_size=1)

@@ -209,7 +209,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
         sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed))
         stats = DecodeStats()
         seq = list(prompt)
-        for new, _ in decode(target, drafter, prompt, sampler, max_new_tokens=per_seq, cap_policy=FixedCap(4), stats=stats):
+        for new, _ in decode(target, drafter, prompt, sampler, max_new_tokens=per_seq, cap_policy=FixedCap(5), stats=stats):
             seq += new
         for prev, tok in zip(seq[len(prompt) - 1 : -1], seq[len(prompt) :]):
             observed[prev, tok] += 1

@@ -245,6 +245,10 @@ def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bi
     if draft_vocab is not None and draft_vocab < 0:
         raise TandemError(f"draft vocabulary size must be >= 0 (0: the full vocabulary), got {draft_vocab}")
     weights = read_weights(path)
+    if cfg.dflash2:  # ports that load codebooks as embeddings store them with ".weight"
+        for name in CODEBOOKS:
+            if name + ".weight" in weights and name not in weights:
+                weights[name] = weights.pop(name + ".weight")
     listed, reduced = _listed_vocab(cfg, raw, weights, path, where)
     model = build_drafter_model(cfg)
     shared = tuple(k for k in TARGET_EMBEDDING_KEYS if k not in weights) \
@@ -280,7 +284,8 @@ def build_drafter_model(cfg: BlockConfig) -> BlockBackbone:
     return build_model(cfg)
 
 
-REDUCED_KEYS = ("lm_head.weight", "markov_head.markov_w2.weight")  # rows over the draft vocabulary
+REDUCED_KEYS = ("lm_head.weight", "markov_head.markov_w2.weight")
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # rows over the draft vocabulary
 
 
 def _listed_vocab(cfg: BlockConfig, raw: dict, weights: dict[str, mx.array], path: Path, where: str
