@@ -125,3 +125,45 @@ def test_a_quantized_drafter_keeps_its_draft_vocabulary(setup):
     _, hidden = engine.target.prefill(ids[:-1], engine.target.new_cache(), tap=True)
     drafter.begin(ids[:-1], hidden)
     assert set(np.array(drafter.propose(ids, 7, GREEDY).tokens).tolist()) <= set(LISTED)
+
+
+def test_d2t_in_the_weights_gives_the_same_drafter(setup, tmp_path):
+    """A DSpark folder whose head and Markov output are stored over the listed tokens only, with
+    d2t/t2d (vLLM speculators' form), drafts exactly as the full folder restricted to them; a
+    full-size folder with d2t (what train-drafter exports) reads d2t as its list."""
+    from engine.drafters.checkpoint import vocab_tensors
+    from tests import drafter_ckpt as ck
+
+    engine = setup
+    full = Path(engine.drafter_path)
+    cfg = json.loads((full / "config.json").read_text())
+    w = {k: np.array(v) for k, v in mx.load(str(full / "model.safetensors")).items()}
+    tensors = {k: np.array(v) for k, v in vocab_tensors(LISTED, 96).items()}
+    reduced = dict(w, **tensors)
+    for key in ("lm_head.weight", "markov_head.markov_w2.weight"):
+        reduced[key] = w[key][LISTED]
+    ck.write(tmp_path / "reduced", dict(cfg, draft_vocab_size=len(LISTED)), reduced)
+    ck.write(tmp_path / "listing", cfg, dict(w, **tensors))  # full-size tensors, d2t as the list
+    expected = _drafter(engine, None)
+    engine.target.set_taps(expected.tap_layers)
+    for folder in ("reduced", "listing"):
+        engine.drafter_path = str(tmp_path / folder)
+        got = _drafter(engine, None)
+        assert np.array(got.vocab_ids).tolist() == LISTED and got.model.lm_head.weight.shape[0] == len(LISTED)
+        for ids in prompts(4, 96, seed=5):
+            ids = [5] + ids
+            _, hidden = engine.target.prefill(ids[:-1], engine.target.new_cache(), tap=True)
+            for d in (expected, got):
+                d.begin(ids[:-1], hidden)
+            assert got.propose(ids, 7, GREEDY).tokens.tolist() == expected.propose(ids, 7, GREEDY).tokens.tolist()
+        assert np.array(_drafter(engine, 8).vocab_ids).tolist() == LISTED[:8]
+    engine.draft_vocab = 0
+    assert "cannot draft from the full vocabulary" in _refusal(engine, tmp_path / "reduced")
+    engine.draft_vocab = None
+    other = next(t for t in range(96) if t not in LISTED)
+    ck.write(tmp_path / "mismatch", dict(cfg, draft_vocab_size=len(LISTED)), reduced)
+    (tmp_path / "mismatch" / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": LISTED[:-1] + [other]}))
+    assert "draft_vocab.json and d2t list different tokens" in _refusal(engine, tmp_path / "mismatch")
+    cfg_bad = dict(cfg, draft_vocab_size=len(LISTED))
+    ck.write(tmp_path / "no_d2t", cfg_bad, {k: v for k, v in reduced.items() if k not in ("d2t", "t2d")})
+    assert "needs a 'd2t' tensor" in _refusal(engine, tmp_path / "no_d2t")

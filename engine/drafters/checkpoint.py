@@ -25,9 +25,10 @@ Public API for building and saving DSpark drafters (used by training)::
         ``target`` its ``embed_tokens``/``lm_head`` start as copies of the target's (as
         DeepSpec trains them, frozen).
 
-    save_drafter(model, config: dict, out_dir, *, dtype: str | None = None) -> Path
+    save_drafter(model, config: dict, out_dir, *, dtype: str | None = None, extra=None) -> Path
         Writes ``config.json`` + ``model.safetensors`` (DeepSpec-native names, ``[out, in]``
-        weights); ``dtype="bfloat16"`` casts floating weights on the way out.
+        weights); ``dtype="bfloat16"`` casts floating weights on the way out; ``extra`` tensors
+        (``vocab_tensors(ids, V)``: the draft vocabulary as ``d2t``/``t2d``) are added as they are.
 
     new_dflash_model(target_config: dict, *, num_layers=1, block_size=16, tap_layers=None,
                      mask_token_id, seed=None) -> DFlashModel   (z-lab layout, for tests)
@@ -249,7 +250,7 @@ def load_checkpoint(path: Path, target: "Target", *, mode: str | None = None, bi
         for name in CODEBOOKS:
             if name + ".weight" in weights and name not in weights:
                 weights[name] = weights.pop(name + ".weight")
-    listed, reduced = _listed_vocab(cfg, raw, weights, path, where)
+    listed, reduced = _listed_vocab(cfg, raw, weights, path, where, read_file=draft_vocab != 0)
     model = build_drafter_model(cfg)
     shared = tuple(k for k in TARGET_EMBEDDING_KEYS if k not in weights) \
         if cfg.kind == "dspark" and cfg.use_target_embeddings else ()
@@ -288,10 +289,11 @@ REDUCED_KEYS = ("lm_head.weight", "markov_head.markov_w2.weight")
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")  # rows over the draft vocabulary
 
 
-def _listed_vocab(cfg: BlockConfig, raw: dict, weights: dict[str, mx.array], path: Path, where: str
-                  ) -> tuple[list[int] | None, dict[str, mx.array]]:
-    """A DSpark folder's draft vocabulary (``d2t`` in the weights, the vLLM speculators packaging,
-    else ``draft_vocab.json``) and the tensors stored over it only (popped from ``weights``)."""
+def _listed_vocab(cfg: BlockConfig, raw: dict, weights: dict[str, mx.array], path: Path, where: str,
+                  read_file: bool = True) -> tuple[list[int] | None, dict[str, mx.array]]:
+    """A DSpark folder's draft vocabulary (``d2t`` in the weights, as vLLM speculators checkpoints
+    store it, else ``draft_vocab.json``) and the tensors stored over it only (popped from
+    ``weights``; a head or Markov output of the full size is restricted to it at load)."""
     d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
     if cfg.kind != "dspark":
         if d2t is not None or "draft_vocab_size" in raw:
@@ -299,17 +301,15 @@ def _listed_vocab(cfg: BlockConfig, raw: dict, weights: dict[str, mx.array], pat
         return None, {}
     size = raw.get("draft_vocab_size", cfg.vocab_size if d2t is None else int(d2t.shape[0]))
     ids = draft_vocab_ids(d2t, t2d, size, cfg.vocab_size, where)
-    from_file = read_draft_vocab(path, cfg.vocab_size, where)
+    from_file = read_draft_vocab(path, cfg.vocab_size, where) if read_file else None
     listed = [int(i) for i in ids.tolist()] if ids is not None else from_file
     if ids is not None and from_file is not None and set(from_file) != set(listed):
         raise TandemError(f"{where}: {DRAFT_VOCAB_FILE} and d2t list different tokens")
-    reduced = {}
+    reduced = {}  # stored over the listed tokens only (vLLM speculators); full-size ones are restricted at load
     for key in REDUCED_KEYS:
         w = weights.get(key)
         if listed is not None and w is not None and w.shape[0] == len(listed) != cfg.vocab_size:
             reduced[key] = weights.pop(key)
-    if ids is not None and len(listed) != cfg.vocab_size and "lm_head.weight" in weights:
-        raise TandemError(f"{where}: lm_head has {weights['lm_head.weight'].shape[0]} rows, d2t lists {len(listed)} tokens")
     if cfg.markov_rank and "markov_head.markov_w1.weight" in weights and weights["markov_head.markov_w1.weight"].shape[0] != cfg.vocab_size:
         raise TandemError(f"{where}: a Markov head whose input embedding covers the draft vocabulary only "
                           f"(markov_w1 over draft ids) is not supported")
@@ -471,8 +471,10 @@ def new_dflash_model(target_config: dict, *, num_layers: int = 1, block_size: in
     return model
 
 
-def save_drafter(model: nn.Module, config: dict, out_dir: str | Path, *, dtype: str | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` in the DeepSpec/z-lab on-disk format."""
+def save_drafter(model: nn.Module, config: dict, out_dir: str | Path, *, dtype: str | None = None,
+                 extra: dict[str, mx.array] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` in the DeepSpec/z-lab on-disk format
+    (``extra``: tensors saved as they are, e.g. ``d2t``/``t2d``)."""
     if any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules()):
         raise TandemError("save the drafter before quantizing it: checkpoints hold float weights")
     out = Path(out_dir)
@@ -481,8 +483,10 @@ def save_drafter(model: nn.Module, config: dict, out_dir: str | Path, *, dtype: 
     skip = TARGET_EMBEDDING_KEYS if config.get("use_target_embeddings") else ()
     weights = {k: (v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v)
                for k, v in tree_flatten(model.parameters()) if k not in skip}
+    weights.update(extra or {})
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     saved = dict(config)
-    saved["torch_dtype"] = dtype or str(next(iter(weights.values())).dtype).removeprefix("mlx.core.")
+    saved["torch_dtype"] = dtype or str(next(v for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)).dtype
+                                        ).removeprefix("mlx.core.")
     (out / "config.json").write_text(json.dumps(saved, indent=2) + "\n", encoding="utf-8")
     return out

@@ -203,7 +203,10 @@ class Trainer:
                             "loss": "0.1*CE + 0.9*L1 + 1.0*BCE, exp(-k/4)"}
         tmp = self.export_dir.with_name(self.export_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        checkpoint.save_drafter(self.model, config, tmp, dtype=self.cfg.export_dtype)
+        # The draft vocabulary twice: draft_vocab.json (most frequent first, --draft-vocab N) and
+        # d2t/t2d in the weights, the form vLLM speculators checkpoints use, for other engines.
+        vocab = checkpoint.vocab_tensors(self.draft_vocab["token_ids"], self.target.vocab_size)
+        checkpoint.save_drafter(self.model, config, tmp, dtype=self.cfg.export_dtype, extra=vocab)
         (tmp / checkpoint.DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab) + "\n", encoding="utf-8")
         self.export_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
