@@ -42,7 +42,8 @@ def test_registry_file_is_well_formed():
     data = json.loads(registry.registry_path().read_text())
     assert data["schema"] == 1
     for row in data["pairs"]:
-        assert row["mode"] in ("dspark", "dflash") and "/" in row["target"]
+        assert row["mode"] in ("dspark", "dflash", "eagle3", "mtp") and "/" in row["target"]
+        assert (row["mode"] == "mtp") == (row["drafter"] == registry.OWN_HEAD)
         if row["drafter"].startswith("resources:"):  # bundled drafters must ship
             assert checkpoint.resolve_drafter_path(row["drafter"]).is_dir()
     targets = {registry.base_name(r["target"]) for r in data["pairs"]}
@@ -176,7 +177,8 @@ def test_tandem_models_prints_the_table(capsys, hub):
     assert "resources:drafters/smollm2-135m-dspark  yes    yes" in capsys.readouterr().out
     assert cli_main(["models", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert all(r["local"] in ("yes", "no", "unsupported") for r in data["registry"])
+    assert all(r["local"] in ("yes", "no", "unsupported", "in model") for r in data["registry"])
+    assert {r["mode"] for r in data["registry"]} >= {"dspark", "dflash", "eagle3", "mtp"}
     assert cli_main(["models", "--model", "nothing-like-it"]) == 0
     assert "--mode auto uses lookup" in capsys.readouterr().out
 

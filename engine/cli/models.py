@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Iterable
 
-from engine.registry import available, base_name, registry_path, rows, rows_for
+from engine.registry import OWN_HEAD, available, base_name, registry_path, rows, rows_for
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _status(row: dict) -> str:
     if row.get("supported", True) is False:
         return "unsupported"
+    if row["drafter"] == OWN_HEAD:
+        return "in model"  # the checkpoint's own MTP head: there when the original checkpoint is
     return "yes" if available(row) else "no"
 
 
@@ -81,9 +83,9 @@ def run(args: argparse.Namespace) -> int:
     print(_table(["target", "base-name match", "mode", "drafter", "local", "auto"],
                  [[r["target"], r["base_name"], r["mode"], r["drafter"], r["local"],
                    "yes" if r.get("auto", True) else "no"] for r in table]))
-    print("\nlocal: 'yes' = bundled or in the local Hugging Face cache (never downloaded automatically).",
-          file=sys.stdout)
-    print("auto: 'no' = used by --mode dspark/dflash, passed over by --mode auto:")
+    print("\nlocal: 'yes' = bundled or in the local Hugging Face cache (never downloaded automatically); 'in model' = "
+          "the target checkpoint's own MTP head (mlx-community conversions strip it).", file=sys.stdout)
+    print("auto: 'no' = used by its --mode, passed over by --mode auto:")
     for r in table:
         if not r.get("auto", True):
             print(f"  {r['target']} ({r['mode']}): {r.get('why', 'measured slower than lookup')}")
