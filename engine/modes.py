@@ -132,10 +132,12 @@ def mtp_drafter(engine: EngineLike) -> Drafter:
 
     if engine.drafter_path:
         drafter = formats.mtp_drafter_from_sidecar(engine.target, _sidecar_path(engine.drafter_path),
-                                                   registry.model_config(engine), engine.tokenizer)
+                                                   registry.model_config(engine), engine.tokenizer,
+                                                   bits=drafter_bits(engine))
     else:
         drafter = formats.mtp_drafter_from_model(engine.target, registry.model_folder(engine),
-                                                 registry.model_config(engine), where=engine.name)
+                                                 registry.model_config(engine), where=engine.name,
+                                                 bits=drafter_bits(engine))
     return _behind_lookup(engine, drafter, None)
 
 

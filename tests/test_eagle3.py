@@ -295,3 +295,24 @@ def test_every_malformed_checkpoint_is_refused_with_its_reason(tmp_path):
     engine.drafter_path = str(ok("auto"))
     assert engine.resolve_mode("auto") == "eagle3" and engine.mode_support()["eagle3"] is None
     assert "EAGLE-3 checkpoint (--mode eagle3)" in engine.mode_support()["dspark"]
+
+
+def test_quantized_heads_stay_lossless(tmp_path, monkeypatch):
+    """Metal/CUDA quantize the head (--drafter-bits): drafts change a little, output never."""
+    import mlx.nn as nn
+
+    from engine import modes, platform
+    from tests.test_mtp import exact_head, write_sidecar
+
+    engine = bigram_engine(seed=8, vocab=48, scale=1.5)
+    monkeypatch.setattr(modes, "drafter_bits", lambda eng: 8)
+    monkeypatch.setattr(platform, "prefers_dense_float32", lambda: False)
+    for mode, path in (("eagle3", exact_eagle3(tmp_path / "e", engine, aux=[1, 2], draft_tokens=range(40))),
+                       ("mtp", write_sidecar(tmp_path / "m", engine, exact_head(engine, noise=0.05)))):
+        engine.drafter_path = str(path)
+        drafter = engine.drafter(mode)
+        assert isinstance(drafter.model.layers[0].mlp.gate_proj, nn.QuantizedLinear)
+        for ids in prompts(4, 48, seed=3):
+            base = engine.generate(ids, mode="baseline", max_new_tokens=12)
+            res = engine.generate(ids, mode=mode, max_new_tokens=12)
+            assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"quantized {mode}")

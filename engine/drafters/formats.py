@@ -215,9 +215,9 @@ def _quantize_like(head: nn.Module, weights: dict[str, mx.array], config: dict, 
 
 
 def load_mtp_head(target: "Target", config: dict, tensors: dict[str, mx.array], *, where: str,
-                  dtype: mx.Dtype | None = None) -> "MTPHead":
+                  dtype: mx.Dtype | None = None, bits: int | None = None) -> "MTPHead":
     """Build the head for ``config`` (a model or sidecar config.json), check ``tensors`` against it
-    (keys, shapes, the target's hidden size) and load them."""
+    (keys, shapes, the target's hidden size) and load them; ``bits``: quantize a float head."""
     from engine import platform
     from engine.drafters.checkpoint import compute_dtype
     from engine.loading import make_dense_float32
@@ -237,12 +237,16 @@ def load_mtp_head(target: "Target", config: dict, tensors: dict[str, mx.array], 
     head.load_weights(list(weights.items()))
     if platform.prefers_dense_float32():
         make_dense_float32(head)
+    elif bits and not any(k.endswith(".scales") for k in weights):
+        from engine.drafters.checkpoint import quantize_drafter
+
+        quantize_drafter(head, bits)
     head.eval()
     mx.eval(head.parameters())
     return head
 
 
-def mtp_from_model(target: "Target", folder: Path | None, config: dict, *, where: str) -> "MTPHead":
+def mtp_from_model(target: "Target", folder: Path | None, config: dict, *, where: str, bits: int | None = None) -> "MTPHead":
     """The model's own MTP head, from its folder's safetensors."""
     if problem := mtp_layout_problem(config, where):
         raise TandemError(problem)
@@ -250,16 +254,18 @@ def mtp_from_model(target: "Target", folder: Path | None, config: dict, *, where
     if not files:
         raise TandemError(f"{where} ships no MTP head: mlx-community conversions strip it; load the original "
                           f"checkpoint, or pass its MTP tensors as a sidecar (--drafter)")
-    return load_mtp_head(target, config, _read_tensors(files, where), where=where)
+    return load_mtp_head(target, config, _read_tensors(files, where), where=where, bits=bits)
 
 
-def mtp_drafter_from_model(target: "Target", folder: Path | None, config: dict, *, where: str) -> "MTPDrafter":
+def mtp_drafter_from_model(target: "Target", folder: Path | None, config: dict, *, where: str,
+                           bits: int | None = None) -> "MTPDrafter":
     from engine.drafters.mtp import MTPDrafter
 
-    return MTPDrafter(mtp_from_model(target, folder, config, where=where), target)
+    return MTPDrafter(mtp_from_model(target, folder, config, where=where, bits=bits), target)
 
 
-def mtp_drafter_from_sidecar(target: "Target", path: Path, model_config: dict, tokenizer: Any = None) -> "MTPDrafter":
+def mtp_drafter_from_sidecar(target: "Target", path: Path, model_config: dict, tokenizer: Any = None,
+                             bits: int | None = None) -> "MTPDrafter":
     """A sidecar's head, checked against the trunk (config, shapes, and the probe)."""
     from engine.drafters.mtp import MTPDrafter
 
@@ -267,7 +273,7 @@ def mtp_drafter_from_sidecar(target: "Target", path: Path, model_config: dict, t
     config, files = read_mtp_sidecar(path)
     if config is not None:
         check_sidecar_config(config, target, where)
-    head = load_mtp_head(target, config or model_config, _read_tensors(files, where), where=where)
+    head = load_mtp_head(target, config or model_config, _read_tensors(files, where), where=where, bits=bits)
     drafter = MTPDrafter(head, target)
     check_agreement(drafter, probe_ids(tokenizer, target.vocab_size), where)
     return drafter
