@@ -104,7 +104,8 @@ def reference_chain(w: dict, cfg: dict, h: np.ndarray, head: np.ndarray, anchor:
     cap = dc.get("final_logit_softcapping")
     if cap:
         logits = np.tanh(logits / cap) * cap
-    a, bb = np.array(w["candidate_selector.predecessor_codebook"], np.float64), np.array(w["candidate_selector.successor_codebook"], np.float64)
+    a = np.array(w["candidate_selector.predecessor_codebook"], np.float64)
+    bb = np.array(w["candidate_selector.successor_codebook"], np.float64)
     proj = h @ np.array(w["candidate_selector.hidden_projection.weight"], np.float64).T
     prev, tokens, rows = anchor, [], []
     for k in range(h.shape[0]):
@@ -268,17 +269,20 @@ def test_every_malformed_checkpoint_is_refused_with_its_reason(tmp_path):
     assert "'draft_window_size' is not supported" in _refusal(engine, config("window", draft_window_size=512), "dflash")
     cfg, w = ck.dflash2_checkpoint(ck.target_config_of(engine.model), taps=[0, 2])
     del w["layers.0.mlp_conv.base_kernel"]
-    assert "required keys missing: layers.0.mlp_conv.base_kernel" in _refusal(engine, ck.write(tmp_path / "miss", cfg, w), "dflash")
+    missing = _refusal(engine, ck.write(tmp_path / "miss", cfg, w), "dflash")
+    assert "required keys missing: layers.0.mlp_conv.base_kernel" in missing
     cfg, w = ck.dflash2_checkpoint(ck.target_config_of(engine.model), taps=[0, 2])
     w["candidate_selector.successor_codebook"] = w["candidate_selector.successor_codebook"][:, :8]
-    assert "wrong shape for candidate_selector.successor_codebook" in _refusal(engine, ck.write(tmp_path / "cb", cfg, w), "dflash")
+    shape = _refusal(engine, ck.write(tmp_path / "cb", cfg, w), "dflash")
+    assert "wrong shape for candidate_selector.successor_codebook" in shape
     # Codebooks as the ports save them (".weight" added) load the same.
     cfg, w = ck.dflash2_checkpoint(ck.target_config_of(engine.model), taps=[0, 2])
     as_published, _ = load_checkpoint(ck.write(tmp_path / "pub", cfg, w), engine.target)
     for name in ("predecessor_codebook", "successor_codebook"):
         w[f"candidate_selector.{name}.weight"] = w.pop(f"candidate_selector.{name}")
     renamed, _ = load_checkpoint(ck.write(tmp_path / "named", cfg, w), engine.target)
-    assert mx.array_equal(renamed.candidate_selector.successor_codebook, as_published.candidate_selector.successor_codebook).item()
+    books = renamed.candidate_selector, as_published.candidate_selector
+    assert mx.array_equal(books[0].successor_codebook, books[1].successor_codebook).item()
     assert "is a DFlash checkpoint; use --mode dflash" in _refusal(engine, ok("mode"), "dspark")
     with pytest.raises(TandemError, match="use --mode dflash"):
         load_checkpoint(ok("direct"), engine.target, mode="dspark")

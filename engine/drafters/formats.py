@@ -380,7 +380,8 @@ def parse_eagle3_config(raw: dict, num_target_layers: int, where: str = "EAGLE-3
                           f"(inputs of layers 1..{n - 1} can be tapped)")
     if len(set(aux)) != len(aux):
         raise TandemError(f"{where}: aux hidden-state layer ids {aux} repeat a layer")
-    methods = (raw.get("speculators_config") or {}).get("proposal_methods") if isinstance(raw.get("speculators_config"), dict) else None
+    spec = raw.get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
     tokens = 3
     if isinstance(methods, list) and methods and isinstance(methods[0], dict):
         tokens = methods[0].get("speculative_tokens", 3)
@@ -407,7 +408,8 @@ def check_eagle3_compatible(cfg: "Eagle3Config", target: "Target", where: str) -
         raise TandemError(f"{where}: hidden size mismatch: made for a target with {cfg.target_hidden_size}, "
                           f"{target.name} has {hidden}")
     if cfg.vocab_size != target.vocab_size:
-        raise TandemError(f"{where}: vocab mismatch: the drafter has {cfg.vocab_size} tokens, {target.name} has {target.vocab_size}")
+        raise TandemError(f"{where}: vocab mismatch: the drafter has {cfg.vocab_size} tokens, "
+                          f"{target.name} has {target.vocab_size}")
     if not cfg.own_embedding and cfg.hidden_size != hidden:
         raise TandemError(f"{where}: no embed_tokens of its own and a hidden size ({cfg.hidden_size}) unlike the "
                           f"target's ({hidden}), so it cannot share the target's embedding")
