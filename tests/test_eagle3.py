@@ -191,14 +191,14 @@ def test_an_exact_head_has_every_draft_accepted_in_full_blocks(tmp_path):
 
 
 def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
-    """12k tokens through the real loop on a context-free target; q is sharper than p and zero
+    """10k tokens through the real loop on a context-free target; q is sharper than p and zero
     on the tokens outside the draft vocabulary, which the target still produces."""
-    vocab, per_seq, seqs = 16, 400, 30
+    vocab, per_seq, seqs = 16, 400, 25
     params = SamplingParams(temperature=1.0, top_k=12)
     engine = context_free_engine(seed=5)
-    unlisted = [1, 4, 7, 10, 13]
+    unlisted = [4, 10, 13]
     listed = [t for t in range(vocab) if t not in unlisted][::-1]
-    engine.drafter_path = str(exact_eagle3(tmp_path / "sharp", engine, draft_tokens=listed, sharpen=1.3, aux=[1]))
+    engine.drafter_path = str(exact_eagle3(tmp_path / "sharp", engine, draft_tokens=listed, sharpen=1.2, aux=[1]))
     drafter = engine.drafter("eagle3")
     target = engine.target
     exact = np.array(target_probs(engine.model(mx.array([[x] for x in range(vocab)]))[:, -1], params), dtype=np.float64)
@@ -209,7 +209,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
         sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed))
         stats = DecodeStats()
         seq = list(prompt)
-        for new, _ in decode(target, drafter, prompt, sampler, max_new_tokens=per_seq, cap_policy=FixedCap(5), stats=stats):
+        for new, _ in decode(target, drafter, prompt, sampler, max_new_tokens=per_seq, cap_policy=FixedCap(4), stats=stats):
             seq += new
         for prev, tok in zip(seq[len(prompt) - 1 : -1], seq[len(prompt) :]):
             observed[prev, tok] += 1
@@ -221,7 +221,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
     assert tv < 0.02, f"total variation {tv:.4f}"
     assert chi_square_z(observed, expected) < 4.0
     assert 0.2 < sum(1 for d, a in rounds if a < d) / len(rounds) and sum(1 for d, a in rounds if a >= 2) > 200
-    assert observed[:, unlisted].sum() > 500  # produced through rejections only
+    assert observed[:, unlisted].sum() > 300  # produced through rejections only
     ids = [3, 4]
     _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
     drafter.begin(ids[:-1], hidden)
