@@ -298,3 +298,24 @@ def test_quantized_heads_stay_lossless(tmp_path, monkeypatch):
             base = engine.generate(ids, mode="baseline", max_new_tokens=12)
             res = engine.generate(ids, mode=mode, max_new_tokens=12)
             assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"quantized {mode}")
+
+
+def test_auto_runs_a_registered_eagle3_head_found_in_the_hf_cache(tmp_path, monkeypatch):
+    """The registry's EAGLE-3 row for Qwen3-8B, once the head is in the local HF cache (here a tiny
+    one made for the tiny target that stands in for Qwen3-8B): --mode auto and --mode eagle3 use it."""
+    from huggingface_hub import constants
+
+    from engine import registry
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    engine = make_tiny_engine("qwen3", seed=2)
+    engine.name = "mlx-community/Qwen3-8B-4bit"
+    assert registry.auto_mode(engine) == "lookup" and "hf download RedHatAI/Qwen3-8B-speculator.eagle3" in \
+        engine.mode_support()["eagle3"]
+    repo = tmp_path / "hub" / "models--RedHatAI--Qwen3-8B-speculator.eagle3"
+    write_eagle3(repo / "snapshots" / "abc", engine, aux=[1, 2, 3], draft_tokens=range(8, 88))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    assert registry.auto_mode(engine) == "eagle3" and engine.mode_support()["eagle3"] is None
+    res = engine.generate([5, 6, 7], mode="auto", max_new_tokens=8)
+    assert res.mode == "eagle3" and res.generated == 8 and res.drafted > 0
