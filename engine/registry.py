@@ -199,7 +199,7 @@ def own_mtp_problem(engine: EngineLike) -> str | None:
 
     try:
         problem = formats.mtp_layout_problem(model_config(engine), engine.name)
-        if problem is None and not formats.mtp_files(model_folder(engine)):
+        if problem is None and not formats.mtp_files(model_folder(engine), model_config(engine)):
             problem = (f"{engine.name} ships no MTP head (mlx-community conversions strip it): load the original "
                        f"checkpoint or pass an MTP sidecar with --drafter")
     except TandemError as e:

@@ -318,9 +318,11 @@ def test_every_bad_head_or_sidecar_is_refused_with_its_reason(tmp_path):
     assert "ships no MTP head" in _refused(stripped) and "ships no MTP head" in modes.mtp_problem(stripped)
     plain = make_tiny_engine("qwen3", seed=1)
     assert "has no MTP head we can run" in _refused(plain)
-    plain.loaded = SimpleNamespace(config={"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}, path=tmp_path,
+    plain.loaded = SimpleNamespace(config={"model_type": "deepseek_v4", "num_nextn_predict_layers": 1}, path=tmp_path,
                                    source=f"folder:{tmp_path}")
-    assert "DeepSeek-V3 / GLM-4.5 layout" in plain.mode_support()["mtp"]
+    assert "deepseek_v4 MTP heads are not supported" in plain.mode_support()["mtp"]
+    plain.loaded.config = {"model_type": "glm4_moe", "num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    assert "ships no MTP head" in plain.mode_support()["mtp"]  # model.layers.2.* is not in the folder
     assert plain.mode_support()["eagle3"].startswith("--mode eagle3 needs an EAGLE-3 drafter")
     # --drafter naming another kind of checkpoint.
     from tests.test_block_drafters import write_dspark

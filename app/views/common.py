@@ -16,7 +16,7 @@ MODE_HELP = {
     "dspark": "DSpark block drafter on the target's hidden states",
     "dflash": "DFlash block-diffusion drafter (DFlash 2 too)",
     "eagle3": "EAGLE-3 head on the target's hidden states (speculators / SpecForge checkpoints)",
-    "mtp": "the model's own multi-token-prediction head (Qwen3.5 / 3.6 / 3.8, Qwen3-Next)",
+    "mtp": "the model's own multi-token-prediction head (Qwen3.5 / 3.6 / 3.8, Qwen3-Next, DeepSeek-V3, GLM-4.5)",
 }
 # Colours used by plots and the race diff (kept in one place to match style.qss).
 ACCENT = "#3563e9"

@@ -10,7 +10,11 @@ or a sidecar) and EAGLE-3 heads; which kind of drafter a folder holds.
   the HF layout (``mtp.`` prefix) keep zero-centred norms (1 + w), so their seven norm weights get
   +1, as mlx-lm does for the trunk; MLX sidecars are stored shifted. A sidecar must match the
   trunk (hidden size, vocabulary, layer count) and agree with the target on a probe text well
-  above chance. DeepSeek-V3 / GLM-4.5 ``nextn`` layouts are refused by name.
+  above chance.
+* DeepSeek-V3 / GLM-4.5 "nextn" heads: ``model.layers.{N}.*`` (N = the trunk's layer count),
+  whose decoder layer goes through mlx-lm's own sanitize for that family (experts stacked, MLA's
+  ``kv_b_proj`` split, FP8 dequantized); later layouts (DeepSeek-V4, GLM-4.7-Flash ...) are
+  refused by name.
 * EAGLE-3 (vLLM speculators ``Eagle3Speculator``; SafeAILab / SpecForge
   ``LlamaForCausalLMEagle3`` with ``midlayer.*``): see ``engine/drafters/eagle3.py``.
 
@@ -35,7 +39,7 @@ from engine.errors import TandemError
 
 if TYPE_CHECKING:
     from engine.drafters.eagle3 import Eagle3Config, Eagle3Model
-    from engine.drafters.mtp import MTPDrafter, MTPHead
+    from engine.drafters.mtp import MTPDrafter, MTPHead, NextNHead
     from engine.target import Target
 
 
@@ -114,8 +118,8 @@ def _read_tensors(files: dict[Path, list[str]], where: str) -> dict[str, mx.arra
 # ----------------------------------------------------------------------------------------
 MTP_KEY = re.compile(r"^(?:model\.|language_model\.)*mtp\.")
 MTP_FAMILIES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-NEXTN_FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe", "glm4_moe_lite", "glm5_next",
-                  "glm_moe_dsa", "kimi_k2", "mimo")
+NEXTN_FAMILIES = ("deepseek_v3", "glm4_moe")  # model.layers.{N}.{enorm, hnorm, eh_proj, shared_head, ...}
+OTHER_MTP_FAMILIES = ("deepseek_v32", "deepseek_v4", "glm4_moe_lite", "glm5_next", "glm_moe_dsa", "kimi_k2", "mimo")
 # Zero-centred norms in the HF layout (weight stored as w, applied as 1 + w).
 _HF_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight", ".k_norm.weight",
              "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
@@ -126,23 +130,46 @@ def text_config(config: dict) -> dict:
     return sub if isinstance(sub, dict) else config
 
 
-def mtp_files(folder: Path | None) -> dict[Path, list[str]]:
+def family(config: dict) -> str:
+    tc = text_config(config)
+    kind = str(tc.get("model_type") or config.get("model_type") or "")
+    outer = str(config.get("model_type") or "")
+    return next((k for k in (kind, outer) if k in MTP_FAMILIES + NEXTN_FAMILIES + OTHER_MTP_FAMILIES), kind)
+
+
+def nextn_prefix(config: dict) -> str:
+    return f"model.layers.{int(text_config(config).get('num_hidden_layers', -1))}."
+
+
+def _is_head_key(config: dict | None):
+    """Which tensor names hold the MTP head in this model's checkpoints."""
+    if config is not None and family(config) in NEXTN_FAMILIES:
+        prefix = nextn_prefix(config)
+        return lambda k: k.startswith(prefix)
+    return lambda k: bool(MTP_KEY.match(k))
+
+
+def mtp_files(folder: Path | None, config: dict | None = None) -> dict[Path, list[str]]:
     """The model folder's MTP tensors by file (empty when it has none, e.g. an mlx-lm conversion)."""
     if folder is None or not Path(folder).is_dir():
         return {}
-    return _files_with(Path(folder), lambda k: bool(MTP_KEY.match(k)))
+    return _files_with(Path(folder), _is_head_key(config))
 
 
 def mtp_layout_problem(config: dict, where: str) -> str | None:
     """Why this model's MTP head is not one we run, or None (config checks only)."""
     tc = text_config(config)
-    kind = str(tc.get("model_type") or config.get("model_type") or "")
-    outer = str(config.get("model_type") or "")
-    if kind in NEXTN_FAMILIES or outer in NEXTN_FAMILIES:
-        return (f"{where}: {outer or kind} MTP heads (DeepSeek-V3 / GLM-4.5 layout: model.layers.N.eh_proj, enorm, "
-                f"hnorm, shared_head) are not supported yet")
-    if kind not in MTP_FAMILIES and outer not in MTP_FAMILIES:
-        return f"{where}: {kind or 'this model'} has no MTP head we can run (Qwen3.5 / 3.6 / 3.8 and Qwen3-Next carry one)"
+    kind = family(config)
+    if kind in OTHER_MTP_FAMILIES:
+        return f"{where}: {kind} MTP heads are not supported (Qwen3.5 / Qwen3-Next, DeepSeek-V3 and GLM-4.5 heads are)"
+    if kind not in MTP_FAMILIES + NEXTN_FAMILIES:
+        return (f"{where}: {kind or 'this model'} has no MTP head we can run (Qwen3.5 / 3.6 / 3.8, Qwen3-Next, "
+                f"DeepSeek-V3 and GLM-4.5 carry one)")
+    if kind in NEXTN_FAMILIES:
+        layers = tc.get("num_nextn_predict_layers", 1)
+        if layers != 1:
+            return f"{where}: {kind} with {layers} MTP layers (num_nextn_predict_layers) is not supported (1 is)"
+        return None
     layers = tc.get("mtp_num_hidden_layers", tc.get("num_nextn_predict_layers", 1))
     if layers != 1:
         return f"{where}: MTP heads with {layers} layers are not supported (the published Qwen heads have 1)"
@@ -151,15 +178,31 @@ def mtp_layout_problem(config: dict, where: str) -> str | None:
     return None
 
 
-def new_mtp_head(config: dict, where: str = "MTP head") -> "MTPHead":
+def _nextn_model(config: dict) -> tuple[Any, Any, type]:
+    """(mlx-lm module, its ModelArgs for this config, its decoder layer class) of a nextn family."""
+    from mlx_lm.models import deepseek_v3, glm4_moe
+
+    if family(config) == "deepseek_v3":
+        return deepseek_v3, deepseek_v3.ModelArgs.from_dict(text_config(config)), deepseek_v3.DeepseekV3DecoderLayer
+    return glm4_moe, glm4_moe.ModelArgs.from_dict(text_config(config)), glm4_moe.DecoderLayer
+
+
+def new_mtp_head(config: dict, where: str = "MTP head") -> "MTPHead | NextNHead":
     """A random-initialised head of this model's layout (lazy; weights are loaded after)."""
     from mlx_lm.models import qwen3_5, qwen3_next
 
-    from engine.drafters.mtp import MTPHead
+    from engine.drafters.mtp import MTPHead, NextNHead
 
     if problem := mtp_layout_problem(config, where):
         raise TandemError(problem)
     tc = dict(text_config(config))
+    if family(config) in NEXTN_FAMILIES:
+        try:
+            _, args, layer_class = _nextn_model(config)
+            layer = layer_class(args, args.num_hidden_layers)  # past the trunk: a MoE layer
+        except (TypeError, ValueError, KeyError, AssertionError) as e:
+            raise TandemError(f"{where}: config.json does not describe a {family(config)} layer ({e})") from None
+        return NextNHead(int(args.hidden_size), float(args.rms_norm_eps), [layer])
     try:
         if "qwen3_next" in (tc.get("model_type"), config.get("model_type")):
             args = qwen3_next.ModelArgs.from_dict({**tc, "full_attention_interval": 1, "mlp_only_layers": []})
@@ -172,9 +215,35 @@ def new_mtp_head(config: dict, where: str = "MTP head") -> "MTPHead":
     return MTPHead(int(args.hidden_size), float(args.rms_norm_eps), [layer])
 
 
-def _mtp_weights(raw: dict[str, mx.array], where: str) -> dict[str, mx.array]:
+NEXTN_OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+NEXTN_TARGETS = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the target's: its own are used
+
+
+def _nextn_weights(raw: dict[str, mx.array], config: dict, where: str) -> dict[str, mx.array]:
+    """``model.layers.{N}.*`` -> the head's names; the decoder layer's tensors go through mlx-lm's
+    own sanitize for that family (expert stacking, MLA's kv_b_proj split, FP8 dequantization)."""
+    from types import SimpleNamespace
+
+    prefix = nextn_prefix(config)
+    names = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in raw.items()}
+    own = {k: v for k, v in names.items() if k in NEXTN_OWN}
+    block = {f"model.layers.0.{k}": v for k, v in names.items()
+             if k not in NEXTN_OWN and not k.startswith(NEXTN_TARGETS)}
+    module, args, _ = _nextn_model(config)
+    shim = SimpleNamespace(args=replace(args, num_hidden_layers=1))
+    try:
+        block = module.Model.sanitize(shim, block)
+    except (KeyError, ValueError) as e:
+        raise TandemError(f"{where}: the MTP layer's tensors are incomplete ({type(e).__name__}: {e})") from None
+    own.update({"layers.0." + k[len("model.layers.0."):]: v for k, v in block.items()})
+    return own
+
+
+def _mtp_weights(raw: dict[str, mx.array], where: str, config: dict | None = None) -> dict[str, mx.array]:
     """HF (``mtp.`` prefix, zero-centred norms, per-expert or fused experts) or MLX sidecar keys
-    -> the head's parameter names."""
+    -> the head's parameter names (a nextn family's: see ``_nextn_weights``)."""
+    if config is not None and family(config) in NEXTN_FAMILIES:
+        return _nextn_weights(raw, config, where)
     if any(k.endswith("weight_scale_inv") for k in raw):
         raise TandemError(f"{where}: FP8 MTP tensors are not supported (use the bf16 checkpoint or an MLX sidecar)")
     out: dict[str, mx.array] = {}
@@ -223,10 +292,10 @@ def load_mtp_head(target: "Target", config: dict, tensors: dict[str, mx.array], 
     from engine.loading import make_dense_float32
 
     head = new_mtp_head(config, where)
-    weights = _mtp_weights(tensors, where)
-    fc = weights.get("fc.weight")
+    weights = _mtp_weights(tensors, where, config)
+    fc = weights.get("fc.weight", weights.get("eh_proj.weight"))
     hidden = int(target.hidden_size)
-    if fc is not None and "fc.scales" not in weights and tuple(fc.shape) != (hidden, 2 * hidden):
+    if fc is not None and fc.dtype != mx.uint32 and tuple(fc.shape) != (hidden, 2 * hidden):
         raise TandemError(f"{where}: hidden size mismatch: the MTP head's fc is {list(fc.shape)}, {target.name} has "
                           f"hidden size {hidden}")
     _quantize_like(head, weights, config, where)
@@ -250,31 +319,33 @@ def mtp_from_model(target: "Target", folder: Path | None, config: dict, *, where
     """The model's own MTP head, from its folder's safetensors."""
     if problem := mtp_layout_problem(config, where):
         raise TandemError(problem)
-    files = mtp_files(folder)
+    files = mtp_files(folder, config)
     if not files:
         raise TandemError(f"{where} ships no MTP head: mlx-community conversions strip it; load the original "
                           f"checkpoint, or pass its MTP tensors as a sidecar (--drafter)")
     return load_mtp_head(target, config, _read_tensors(files, where), where=where, bits=bits)
 
 
+def mtp_drafter(head: "MTPHead | NextNHead", target: "Target") -> "MTPDrafter":
+    from engine.drafters.mtp import MTPDrafter, NextNDrafter, NextNHead
+
+    return (NextNDrafter if isinstance(head, NextNHead) else MTPDrafter)(head, target)
+
+
 def mtp_drafter_from_model(target: "Target", folder: Path | None, config: dict, *, where: str,
                            bits: int | None = None) -> "MTPDrafter":
-    from engine.drafters.mtp import MTPDrafter
-
-    return MTPDrafter(mtp_from_model(target, folder, config, where=where, bits=bits), target)
+    return mtp_drafter(mtp_from_model(target, folder, config, where=where, bits=bits), target)
 
 
 def mtp_drafter_from_sidecar(target: "Target", path: Path, model_config: dict, tokenizer: Any = None,
                              bits: int | None = None) -> "MTPDrafter":
     """A sidecar's head, checked against the trunk (config, shapes, and the probe)."""
-    from engine.drafters.mtp import MTPDrafter
-
     where = f"MTP sidecar {path}"
     config, files = read_mtp_sidecar(path)
     if config is not None:
         check_sidecar_config(config, target, where)
     head = load_mtp_head(target, config or model_config, _read_tensors(files, where), where=where, bits=bits)
-    drafter = MTPDrafter(head, target)
+    drafter = mtp_drafter(head, target)
     check_agreement(drafter, probe_ids(tokenizer, target.vocab_size), where)
     return drafter
 

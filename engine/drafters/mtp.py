@@ -1,5 +1,7 @@
-"""Native MTP heads (Qwen3.5 / 3.6 / 3.8, Qwen3-Next): the target's own multi-token-prediction
-head as the drafter.
+"""Native MTP heads: the target's own multi-token-prediction head as the drafter. Two layouts:
+
+* Qwen3.5 / 3.6 / 3.8, Qwen3-Next (``MTPHead``, below);
+* DeepSeek-V3 and GLM-4.5 "nextn" (``NextNHead``, at the end).
 
 Layout (the checkpoint's ``mtp.*`` tensors; the parameter names here drop the prefix):
 ``fc [H, 2H]``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm [H]`` and
@@ -67,3 +69,49 @@ class MTPDrafter(ChainDrafter):
 
     def logits(self, state: mx.array) -> mx.array:
         return self.target.head(state)
+
+
+class NextNHead(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 layout (``model.layers.{N}.*``, N = the trunk's layer count; names
+    here drop that prefix): ``enorm``, ``hnorm`` [H], ``eh_proj`` [H, 2H], one decoder layer of the
+    target's own kind (MLA or GQA attention, MoE) and ``shared_head.norm``. Its ``embed_tokens``
+    and ``shared_head.head`` are copies of the target's, whose own are used.
+
+    Row t: ``eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)])`` (the embedding zeroed at position 0)
+    -> the layer -> output state (pre-norm); logits = lm_head(shared_head.norm(state)). A deeper
+    draft feeds the pre-norm state back as h."""
+
+    def __init__(self, hidden_size: int, eps: float, layers: list[nn.Module]):
+        super().__init__()
+        self.enorm = nn.RMSNorm(hidden_size, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden_size, eps=eps)
+        self.eh_proj = nn.Linear(2 * hidden_size, hidden_size, bias=False)
+        self.layers = layers
+        self.shared_head = _SharedHead(hidden_size, eps)
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, caches: list) -> mx.array:
+        """embeds, hidden [1, L, H] -> pre-norm states [1, L, H]; appends L rows to ``caches``."""
+        if caches[0].offset == 0:  # the row at position 0 has no previous token: no embedding
+            embeds = mx.concatenate([mx.zeros_like(embeds[:, :1]), embeds[:, 1:]], axis=1)
+        x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache.make_mask(x.shape[1], return_array=True, window_size=None), cache)
+        return x
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        w = self.eh_proj.scales if isinstance(self.eh_proj, nn.QuantizedLinear) else self.eh_proj.weight
+        return w.dtype
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+
+
+class NextNDrafter(MTPDrafter):
+    """The chain on a ``NextNHead``: states are pre-norm, logits through ``shared_head.norm``."""
+
+    def logits(self, state: mx.array) -> mx.array:
+        return self.target.head(self.model.shared_head.norm(state))
