@@ -330,3 +330,56 @@ def test_every_bad_head_or_sidecar_is_refused_with_its_reason(tmp_path):
     plain.loaded = None
     plain.drafter_path = str(write_dspark(tmp_path / "dspark", plain, taps=[0, 2]))
     assert "is a DSpark checkpoint (--mode dspark)" in plain.mode_support()["mtp"]
+
+
+# ----------------------------------------------------------------------------------------
+# a hybrid Qwen3.5 target (GatedDeltaNet + attention): the cache transaction keeps its state exact
+# ----------------------------------------------------------------------------------------
+def near_bigram_qwen3_5_folder(path: Path, seed: int = 4) -> Path:
+    """A Qwen3.5 model folder whose layers add little (their outputs scaled 0.05), so the next token
+    mostly follows the current one, with its own MTP head drafting exactly that (HF layout:
+    ``mtp.`` prefix, zero-centred norms). Context still matters a little: drafts are accepted
+    often, rejected sometimes, and the recurrent state must be rolled back exactly."""
+    tc = ck.qwen3_5_text_config(vocab=48)
+    model = qwen3_5_model(tc, seed)
+    lm = model.language_model
+    for layer in lm.model.layers:
+        mixer = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
+        mixer.weight = 0.05 * mixer.weight
+        layer.mlp.down_proj.weight = 0.05 * layer.mlp.down_proj.weight
+    lm.lm_head.weight = 4.0 * lm.lm_head.weight
+    mx.eval(model.parameters())
+    h = tc["hidden_size"]
+    head = {k: v for k, v in ck.mtp_tensors(tc, seed=seed).items()}
+    for k in head:
+        if is_norm(k):
+            head[k] = np.zeros_like(head[k])  # 1 + 0
+    head["mtp.fc.weight"] = np.concatenate([np.eye(h), np.zeros((h, h))], axis=1).astype(np.float32)
+    head["mtp.norm.weight"] = np.array(lm.model.norm.weight, dtype=np.float32) - 1.0
+    head["mtp.layers.0.self_attn.o_proj.weight"] *= 0
+    head["mtp.layers.0.mlp.down_proj.weight"] *= 0
+    return ck.write_model_folder(path, model, {"model_type": "qwen3_5", "text_config": tc}, make_tokenizer(48), head)
+
+
+def test_hybrid_target_greedy_identical_to_baseline_and_auto_picks_the_head(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from engine.api import load
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # no registered drafter on disk
+    engines = (load(str(qwen3_5_folder(tmp_path / "Qwen3.5-4B"))),  # a random head: rejections at once
+               load(str(near_bigram_qwen3_5_folder(tmp_path / "near"))))
+    assert engines[0].resolve_mode("auto") == "mtp" and engines[0].mode_support()["mtp"] is None
+    for engine in engines:
+        vocab = engine.loaded.config["text_config"]["vocab_size"]
+        drafted = accepted = partial = 0
+        for i, ids in enumerate(prompts(8, vocab, seed=13)):
+            n = [2, 5, 12, 20][i % 4]
+            base = engine.generate(ids, mode="baseline", max_new_tokens=n)
+            for cap in (1, 3):
+                res = engine.generate(ids, mode="mtp", max_new_tokens=n, max_draft=cap)
+                assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"{engine.name}/prompt {i}/cap {cap}")
+                drafted, accepted = drafted + res.drafted, accepted + res.accepted
+                partial += sum(1 for d, a in res.rounds[1:] if 1 <= a < d)
+        assert drafted > 0
+    assert 0 < accepted < drafted and partial > 5  # some drafts kept, the rest rolled back out of the state

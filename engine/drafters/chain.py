@@ -9,7 +9,7 @@ caches ``ids[:-1]``, so the rows go up to the one for the anchor (its feature is
 position's, its token the anchor), and that last row's output, the *seed*, predicts the first
 draft. Each further draft runs one *chain* row (the previous draft, the head's own output) at
 the next position. Chain rows live in the cache during ``propose`` only and are trimmed right
-after it (the count checked), so the cache always holds exactly the committed rows, each made
+after it (``engine.caches.trim``, the count checked), so the cache always holds exactly the committed rows, each made
 from the target's own feature, as in training (vLLM and SGLang re-run accepted positions the
 same way).
 
@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from engine import caches
 from engine.drafters.base import Draft, Drafter
 from engine.errors import TandemError
 from engine.sampling import Sampler, sample_from, spread_to_vocab
@@ -34,16 +35,6 @@ if TYPE_CHECKING:
     from engine.target import Target
 
 CONTEXT_CHUNK = 512  # prompt rows fed per eval in begin(): bounded memory
-
-
-def trim_checked(caches: list, n: int) -> None:
-    """Drop the last ``n`` rows of every cache, checking each really dropped them."""
-    if n <= 0:
-        return
-    for c in caches:
-        got = c.trim(n)
-        if got != n:
-            raise RuntimeError(f"{type(c).__name__} trimmed {got} of {n} rows")
 
 
 class ChainDrafter(Drafter):
@@ -164,6 +155,7 @@ class ChainDrafter(Drafter):
                 index = sample_from(q, sampler.next_key())
             token = self._to_target(index)
             tokens.append(token)
-        trim_checked(self._caches, cap - 1)  # chain rows go; the committed rows stay
+        for cache in self._caches:  # chain rows go (the count checked); the committed rows stay
+            caches.trim(cache, cap - 1)
         q = spread_to_vocab(mx.stack(probs), self.vocab_ids, self.target.vocab_size) if probs else None
         return Draft(mx.stack(tokens), q)
