@@ -66,7 +66,7 @@ class Future(ChatEngine):
     def mode_support(self):
         return {"auto": None, "baseline": None, "lookup": None, "draft": "needs --draft-model",
                 "dspark": "no DSpark drafter for this model", "dflash": "no DFlash drafter",
-                "mtp": "the model has no MTP head"}
+                "eagle3": "no EAGLE-3 drafter", "mtp": "the model has no MTP head", "medusa": "no Medusa heads"}
 
     def clear_prefix_cache(self):
         self.clears += 1
@@ -554,7 +554,7 @@ def test_conversation_uses_mode_support_cached_tokens_and_clears_the_cache(make_
     model = chat.mode.model()
     enabled = {chat.mode.itemText(i): model.item(i).isEnabled() for i in range(chat.mode.count())}
     assert enabled == {"auto": True, "baseline": True, "lookup": True, "draft": False, "dspark": False,
-                       "dflash": False, "mtp": False}
+                       "dflash": False, "eagle3": False, "mtp": False, "medusa": False}
     assert "no DSpark drafter" in model.item(chat.mode.findText("dspark")).toolTip()
     greedy(chat, 4)
     answer(qtbot, win, lambda: chat.send("w5 w6"))
