@@ -15,18 +15,21 @@ from engine.generate import Chunk, Engine, GenerationResult, Prompt
 
 def load(model: str | None = None, *, drafter: str | None = None, draft_model: str | None = None,
          drafter_bits: int | None = None, confidence_threshold: float | None = None,
-         draft_vocab: int | None = None, lookup_first: bool | None = None, kv_bits: int | None = None) -> Engine:
+         draft_vocab: int | None = None, lookup_first: bool | None = None, kv_bits: int | None = None,
+         confidence_rule: str | None = None, dtype: str | None = None) -> Engine:
     """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter).
     ``kv_bits`` (4/8) quantizes the KV cache on Metal/CUDA; why it stays off elsewhere is in
-    ``engine.notes``."""
+    ``engine.notes``. ``dtype``: float32 / bfloat16 / float16 for the target's floating
+    parameters (quantized weights stay quantized on Metal/CUDA; None: the platform's policy)."""
     from engine.loading import load_model
 
-    loaded = load_model(model)
+    loaded = load_model(model, dtype=dtype)
     eng = Engine(loaded.model, loaded.tokenizer, name=loaded.name, loaded=loaded)
     eng.drafter_path = drafter
     eng.draft_model_spec = draft_model
     eng.drafter_bits = drafter_bits
     eng.confidence_threshold = confidence_threshold
+    eng.confidence_rule = confidence_rule
     eng.draft_vocab = draft_vocab
     eng.lookup_first = lookup_first
     eng.set_kv_bits(kv_bits)

@@ -38,7 +38,9 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-TRIMMED = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache)
+from engine.shapes import StableKVCache  # a KVCache whose multi-row attention sees its whole buffer
+
+TRIMMED = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, StableKVCache)
 KNOWN = (*TRIMMED, RotatingKVCache, ArraysCache)
 KV_GROUP_SIZE = 64
 KV_BITS = (4, 8)
@@ -74,7 +76,7 @@ def blocker(cache: list) -> str | None:
 
 def describe(cache: list) -> str:
     """Layer caches by kind, e.g. '24 ArraysCache (recurrent), 8 KVCache (full attention)'."""
-    kinds = {KVCache: "full attention", QuantizedKVCache: "quantized full attention",
+    kinds = {KVCache: "full attention", StableKVCache: "full attention", QuantizedKVCache: "quantized full attention",
              ChunkedKVCache: "chunked attention", ConcatenateKVCache: "full attention",
              RotatingKVCache: "sliding window", ArraysCache: "recurrent"}
     counts: dict[str, int] = {}

@@ -8,8 +8,14 @@ one row; with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). 
   context, rolled back after each (``Target.verify`` and its cache transaction);
 * ``draft(c)``: ms of one proposal of ``c`` tokens, for drafters with their own model
   (n-gram lookup costs ~0 and its Python time lands in the overhead);
-* the per-round overhead: full synthetic rounds of the real verify loop minus their forward (and
-  model drafter) time, for speculative rounds and for plain steps;
+* rounds as the loop runs them: full synthetic rounds of the real verify loop minus their
+  forward (and model drafter) time give the per-round overhead; a run of the loop's pipelined
+  plain steps gives the plain step (what ``--max-draft auto`` parks on);
+* under a shape policy (CUDA) the verify curve is measured at the ladder widths the loop pads
+  to, and every other width is priced at its padded one;
+* for a DSpark drafter with a confidence head, the cut (rule and threshold) that pays here:
+  a greedy trace of its per-slot scores and the target's acceptance on a few shipped prompts,
+  priced with these curves (``tune_cut``);
 * the machine's copy bandwidth (for the roofline).
 
 Warm-ups, then medians over interleaved passes (a contended machine shifts all widths alike
@@ -46,9 +52,12 @@ from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.protocols import EngineLike
 
-SCHEMA = 1
+SCHEMA = 2
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
+CUT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+CUT_TOKENS = 48  # new tokens per shipped prompt in the confidence trace
+WARM_PLAIN = 3  # plain steps opening each auto request: the plain step at this context, timed
 
 Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
@@ -61,24 +70,45 @@ _LEARNED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 auto_progress: Progress | None = None
 
 
-def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter) -> CapController:
+def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False) -> CapController:
     """``--max-draft auto``: this pair's calibration (from the cache, or measured now) and the
-    acceptance learned on earlier requests of this engine."""
+    acceptance learned on earlier requests of this engine. ``seeded``: a fresh state that
+    ignores live timings, so the same seeded request gives the same tokens every time."""
     cal = calibrate(engine, mode, drafter, progress=auto_progress)
+    if seeded:
+        return CapController(cal, drafter.max_draft, seeded=True)
     per_engine = _LEARNED.setdefault(engine, {})
     state = per_engine.get((mode, id(drafter)))
     if state is None:
         state = per_engine[(mode, id(drafter))] = LearnedState()
     else:
         state.shrink()
-    return CapController(cal, drafter.max_draft, state=state)
+    return CapController(cal, drafter.max_draft, state=state, warm_plain=WARM_PLAIN)
 
 
 def default_cap(engine: EngineLike, mode: str, drafter: Drafter) -> int | None:
     """The static cap from a cached calibration of this pair, or None when none is cached
-    (measuring would stall a plain ``generate``; ``tandem calibrate`` fills the cache)."""
+    (measuring would stall a plain ``generate``; ``tandem calibrate`` fills the cache). The
+    calibration's confidence cut applies too."""
     cal = load_cached(calibration_key(engine, mode, drafter))
-    return None if cal is None else min(static_cap(cal), drafter.max_draft)
+    if cal is None:
+        return None
+    apply_cut(drafter, cal)
+    return min(static_cap(cal), drafter.max_draft)
+
+
+def _dspark(drafter: Drafter) -> Any:
+    """The DSpark drafter inside ``drafter`` (itself, or behind lookup), else None."""
+    inner = getattr(drafter, "model_drafter", drafter)
+    return inner if hasattr(inner, "calibrated") and hasattr(inner, "trace") else None
+
+
+def apply_cut(drafter: Drafter, cal: Calibration) -> None:
+    """Give a DSpark drafter the confidence cut its calibration picked (the user's own
+    ``--confidence-rule``/``--confidence-threshold`` still win: the drafter reads them first)."""
+    inner = _dspark(drafter)
+    if inner is not None and cal.confidence_rule is not None and cal.confidence_threshold is not None:
+        inner.calibrated = (cal.confidence_rule, float(cal.confidence_threshold))
 
 
 # ===================================================================== identity and the cache
@@ -259,52 +289,101 @@ def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], p
     return _median_passes(len(caps), passes, one, tick)
 
 
-class _Alternate:
-    """Plain step and speculative round in turn, for the overhead measurement."""
+def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, rounds: int = OVERHEAD_ROUNDS,
+                   tick: Callable[[], None] = lambda: None, passes: int = 2) -> tuple[float, float]:
+    """(speculative round overhead ms, plain step ms) from the real verify loop, run as it runs:
+    rounds at a fixed ``cap``, and a run of pipelined plain steps (a parked controller's).
 
-    label = "calibration"
-
-    def __init__(self, cap: int):
-        self.spec_cap, self.i = cap, 0
-
-    def cap(self) -> int:
-        return self.spec_cap if self.i % 2 else 0
-
-    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        self.i += 1
-
-
-def measure_overhead(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, rounds: int = OVERHEAD_ROUNDS,
-                     tick: Callable[[], None] = lambda: None) -> tuple[float, float]:
-    """(speculative round, plain step) overhead in ms from the real verify loop.
-
-    Each round's wall time minus the part the curves stand for, taken from the same round's
-    own timings (``verify_s``, and ``draft_s`` for a drafter with a model): subtracting a curve
-    measured seconds earlier would drown the few-ms overhead in a shared machine's noise. What
-    remains is the loop's bookkeeping and, for lookup, its Python n-gram search."""
+    A round's overhead is its wall time (emit to emit) minus the part the curves stand for,
+    taken from the same round's own timings (``verify_s``, and ``draft_s`` for a drafter with a
+    model): subtracting a curve measured seconds earlier would drown the few-ms overhead in a
+    shared machine's noise. What remains is the loop's bookkeeping and, for lookup, its Python
+    n-gram search. Kinds alternate ``passes`` times, so contention hits both alike."""
     from engine.sampling import Sampler, SamplingParams
-    from engine.speculative import decode
+    from engine.speculative import FixedCap, decode
 
-    spec, plain = [], []
-    t_prev, paused = None, 0.0
-    steps = decode(target, drafter, ids, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
-                   cap_policy=_Alternate(cap), mode="calibration")
-    try:
-        for _, event in steps:
-            sampled = t_prev is not None and event.index >= 3
-            if sampled:
-                model_s = event.verify_s + (event.draft_s if drafter.has_model else 0.0)
-                (spec if event.cap else plain).append((event.t - t_prev - paused - model_s) * 1000.0)
-            t_prev, paused = event.t, 0.0
-            if sampled:
-                t_tick = time.perf_counter()
-                tick()  # a progress bar's redraw is not the loop's overhead
-                paused = time.perf_counter() - t_tick
-            if len(spec) >= rounds and len(plain) >= rounds:
-                break
-    finally:
-        steps.close()
-    return max(0.0, statistics.median(spec)), max(0.0, statistics.median(plain))
+    spec: list[float] = []
+    plain: list[float] = []
+    for _ in range(passes):
+        for policy, out in ((FixedCap(cap), spec), (FixedCap(0), plain)):
+            t_prev, paused, got = None, 0.0, 0
+            steps = decode(target, drafter, ids, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
+                           cap_policy=policy, mode="calibration")
+            try:
+                for _, event in steps:
+                    sampled = t_prev is not None and event.index >= 3  # past the pipeline's fill
+                    if sampled:
+                        model_s = event.verify_s + (event.draft_s if drafter.has_model else 0.0)
+                        out.append((event.t - t_prev - paused - model_s) * 1000.0)
+                        got += 1
+                    t_prev, paused = event.t, 0.0
+                    if sampled:
+                        t_tick = time.perf_counter()
+                        tick()  # a progress bar's redraw is not the loop's cost
+                        paused = time.perf_counter() - t_tick
+                    if got >= rounds:
+                        break
+            finally:
+                steps.close()
+    return max(0.0, statistics.median(spec)), max(1e-3, statistics.median(plain))
+
+
+def confidence_trace(engine: EngineLike, drafter: Drafter, texts: Sequence[str], max_new_tokens: int = CUT_TOKENS,
+                     tick: Callable[[], None] = lambda: None) -> list[tuple[list[float], int]]:
+    """(per-slot confidence scores, drafts the target accepted) for every full-block round of
+    greedy DSpark decoding (no cut) on ``texts``. Greedy: a cut never changes which drafts
+    are accepted before it, so any cut's rounds can be replayed from this one trace."""
+    from engine.sampling import Sampler, SamplingParams
+    from engine.speculative import DecodeStats, FixedCap, decode
+
+    inner = _dspark(drafter)
+    out: list[tuple[list[float], int]] = []
+    tok = engine.tokenizer
+    for text in texts:
+        if getattr(tok, "chat_template", None):
+            ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        else:
+            ids = list(tok.encode(text))
+        inner.trace, stats = [], DecodeStats()
+        try:
+            for _ in decode(engine.target, inner, ids, Sampler(SamplingParams()), max_new_tokens=max_new_tokens,
+                            cap_policy=FixedCap(inner.max_draft), stats=stats,
+                            eos_ids=list(getattr(tok, "eos_token_ids", None) or [])):
+                pass
+            drafted = [(d, a) for d, a in stats.rounds[1:] if d > 0]
+            out += [(conf, a) for conf, (d, a) in zip(inner.trace, drafted) if d == inner.max_draft == len(conf)]
+        finally:
+            inner.trace = None
+        tick()
+    return out
+
+
+def tune_cut(cal: Calibration, trace: Sequence[tuple[list[float], int]], default: tuple[str, float | None],
+             tolerance: float = 0.01) -> tuple[str, float, dict]:
+    """The (rule, threshold) whose replay of ``trace`` earns the most tokens per second on
+    these curves (a round costs the full block's draft, the verify of what it keeps and the
+    overhead; a cut to nothing still pays the draft), and every option's rate. The drafter's
+    own cut is kept unless another beats it by ``tolerance``. Threshold 0: no cut."""
+    from engine.drafters.dspark import RULES, keep_count
+
+    block = len(trace[0][0])
+
+    def rate(rule: str, threshold: float) -> float:
+        tokens = ms = 0.0
+        for conf, accepted in trace:
+            keep = keep_count(conf, threshold, rule) if threshold > 0 else block
+            tokens += 1 + min(keep, accepted)
+            ms += cal.draft(block) + cal.verify(keep + 1) + cal.overhead_ms
+        return 1000.0 * tokens / ms
+
+    table = {f"{rule}@{t:g}": rate(rule, t) for rule in RULES for t in CUT_THRESHOLDS}
+    table["none"] = rate("slot", 0.0)
+    best = max(table, key=table.get)
+    rule, threshold = default[0], default[1] or 0.0
+    own = rate(rule, threshold)
+    if table[best] > own * (1 + tolerance):
+        rule, threshold = ("slot", 0.0) if best == "none" else (best.split("@")[0], float(best.split("@")[1]))
+    return rule, threshold, {k: round(v, 2) for k, v in table.items()}
 
 
 def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None = None, *, recalibrate: bool = False,
@@ -323,10 +402,12 @@ def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None 
     if not recalibrate:
         cached = load_cached(key)
         if cached is not None:
+            apply_cut(drafter, cached)
             return cached
     cal = measure(engine, drafter, fields, progress=progress, passes=passes, context=context,
                   overhead_rounds=overhead_rounds)
     save(cal)
+    apply_cut(drafter, cal)
     return cal
 
 
@@ -337,9 +418,24 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
     target = engine.target
     t_start = time.perf_counter()
     forwards = target.forwards
-    widths = width_grid(drafter.max_draft + 1, dense_to=33 if drafter.has_model else 9)
+    shapes = target.shapes
+    if shapes is not None:  # the loop pads every verify to the ladder: measure those widths only
+        widest = shapes.pad(drafter.max_draft + 1)
+        widths = [w for w in shapes.widths if w <= widest] + ([widest] if widest not in shapes.widths else [])
+    else:
+        widths = width_grid(drafter.max_draft + 1, dense_to=33 if drafter.has_model else 9)
     caps = width_grid(drafter.max_draft, dense_to=33) if drafter.has_model else []
-    total = 1 + (passes + 1) * (len(widths) + len(caps)) + 2 * overhead_rounds + 1
+    inner = _dspark(drafter)
+    tune = inner is not None and inner.cfg.confidence_head
+    texts: list[str] = []
+    if tune:
+        from engine.prompts import calibration_texts
+
+        try:
+            texts = calibration_texts()
+        except TandemError:
+            tune = False  # no prompts to trace: keep the drafter's own cut
+    total = 1 + (passes + 1) * (len(widths) + len(caps)) + 4 * overhead_rounds + len(texts) + 1
     done = 0
 
     def tick(stage: str) -> Callable[[], None]:
@@ -371,11 +467,18 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
             costly.begin(ids, hidden)
             draft_ms = measure_drafter(costly, ids + [ids[-64]], caps, passes, tick("drafter curve"))
         del cache, hidden
-        cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms)
-        # The overhead is the loop's own work, the same at any context: a 128-token prompt keeps
-        # this prefill short (and skips a one-off slow first run seen on fresh 512-row caches).
-        cal.overhead_ms, cal.step_overhead_ms = measure_overhead(
-            target, drafter, ids[:128], min(drafter.max_draft, 8), overhead_rounds, tick("round overhead"))
+        cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms,
+                          pad_widths=list(shapes.widths) if shapes is not None else [])
+        # The loop's own work is the same at any context: a 128-token prompt keeps these
+        # prefills short (and skips a one-off slow first run seen on fresh 512-row caches).
+        cal.overhead_ms, cal.plain_ms = measure_rounds(target, drafter, ids[:128], min(drafter.max_draft, 8),
+                                                       overhead_rounds, tick("rounds and plain steps"))
+        cal.step_overhead_ms = cal.plain_ms - cal.verify(1)
+        if tune:
+            trace = confidence_trace(engine, drafter, texts, tick=tick("confidence trace"))
+            if trace:
+                default = (inner.default_rule, inner.default_threshold)
+                cal.confidence_rule, cal.confidence_threshold, cal.confidence_table = tune_cut(cal, trace, default)
         cal.bandwidth = measure_bandwidth()
         tick("bandwidth")()
     finally:
@@ -389,8 +492,9 @@ def format_report(cal: Calibration, engine: EngineLike | None = None) -> str:
     """The curves, the model's rates and the chosen caps, as a text table."""
     v1 = cal.verify(1)
     lines = [f"calibration {'(cached)' if cal.from_cache else f'measured in {cal.seconds:.1f}s'}: {cal.key}",
-             f"context {cal.context} tokens | overhead {cal.overhead_ms:.2f} ms/round, plain step "
-             f"{cal.step_overhead_ms:.2f} ms | copy bandwidth {cal.bandwidth / 1e9:.2f} GB/s", "",
+             f"context {cal.context} tokens | overhead {cal.overhead_ms:.2f} ms/round, plain step (pipelined) "
+             f"{cal.plain_step_ms():.2f} ms | copy bandwidth {cal.bandwidth / 1e9:.2f} GB/s"
+             + (f" | verify widths padded to {cal.pad_widths}" if cal.pad_widths else ""), "",
              "width  verify ms (median)    fit   fit x width-1" + ("   draft ms (cap = width-1)" if cal.draft_caps else "")]
     for w, ms in zip(cal.widths, cal.verify_ms):
         extra = f"   {cal.draft(w - 1):8.2f}" if cal.draft_caps and w > 1 else ""
@@ -404,6 +508,10 @@ def format_report(cal: Calibration, engine: EngineLike | None = None) -> str:
                   f"{rate(cal, 0, STATIC_P):.1f} plain"]
     lines.append("best cap by acceptance: " + ", ".join(
         f"p={p:g}: {best_cap(cal, p)}" for p in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)) + "  (0 = plain steps)")
+    if cal.confidence_rule is not None:
+        top = sorted(cal.confidence_table.items(), key=lambda kv: -kv[1])[:4]
+        lines.append(f"DSpark confidence cut: {cal.confidence_rule} rule at {cal.confidence_threshold:g} "
+                     f"(predicted tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in top) + ")")
     if engine is not None and cal.bandwidth > 0:
         from engine.roofline import RooflineModel
 

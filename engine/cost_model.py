@@ -10,11 +10,15 @@ Bernoulli), so with ``S(i) = P(L >= i)``::
 
     tokens(C) = 1 + sum_{i=1..C} S(i) p^i
     ms(C)     = sum_k P(k) verify(k + 1) + draft(C) + overhead          (C >= 1)
-    rate(C)   = tokens(C) / ms(C),        rate(0) = 1 / (verify(1) + step_overhead)
+    rate(C)   = tokens(C) / ms(C),        rate(0) = 1 / plain step
+
+``verify(w)`` prices the width a forward really runs at (padded to the shape ladder on CUDA);
+a plain step is a pipelined one, measured as the loop runs it.
 
 With ``S = 1`` (a fixed-length drafter) this is ``(1 + sum p^i) / (draft(C) + verify(C+1) +
 overhead)``. The default cap maximises it at ``STATIC_P`` = 0.70, the acceptance mlx-dspark fit
-to 7 of 8 measured optima. ``CapController`` re-fits ``p`` and ``S`` from live rounds.
+to 7 of 8 measured optima. ``CapController`` re-fits ``p``, ``S`` and the costs from live rounds,
+and compares realized round time with realized plain-step time.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ CONTEXT = 512  # synthetic context the curves are measured at
 STATIC_P = 0.70  # acceptance the default cap is chosen at
 PRIOR_P = 0.65  # the controller's starting acceptance
 PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
+PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
+MAX_PROBE_GAP = 256
 
 
 # ===================================================================== the calibration record
@@ -40,7 +46,12 @@ class Calibration:
     draft_caps: list[int] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)  # empty: the drafter has no model
     overhead_ms: float = 0.0  # per speculative round, beyond verify + draft
-    step_overhead_ms: float = 0.0  # per plain step (cap 0)
+    step_overhead_ms: float = 0.0  # per plain step beyond verify(1), when plain_ms is not measured
+    plain_ms: float = 0.0  # one pipelined plain step as the loop runs it (0: verify(1) + step_overhead_ms)
+    pad_widths: list[int] = field(default_factory=list)  # verify widths padded to this ladder (CUDA)
+    confidence_rule: str | None = None  # DSpark confidence cut chosen for this machine (calibrate.tune_cut)
+    confidence_threshold: float | None = None
+    confidence_table: dict = field(default_factory=dict)  # "rule@threshold" -> predicted tok/s
     bandwidth: float = 0.0  # copy bandwidth, bytes/s
     context: int = CONTEXT
     seconds: float = 0.0  # how long measuring took
@@ -55,11 +66,18 @@ class Calibration:
 
     def verify(self, width: int) -> float:
         """The model's verify cost: the measured medians made non-decreasing (a wider forward
-        never costs less; dips are mostly timing noise on a busy machine), interpolated."""
+        never costs less; dips are mostly timing noise on a busy machine), interpolated; a
+        width is priced at the ladder width it is padded to."""
         if self._verify_fit is None:
             fit = _isotonic(self.verify_ms)
             self._verify_fit = [_interp(self.widths, fit, w) for w in range(max(self.widths) + 1)]
-        return self._verify_fit[min(max(int(width), 0), len(self._verify_fit) - 1)]
+        width = int(width)
+        if self.pad_widths:
+            width = next((w for w in self.pad_widths if w >= width), width)
+        return self._verify_fit[min(max(width, 0), len(self._verify_fit) - 1)]
+
+    def plain_step_ms(self) -> float:
+        return self.plain_ms if self.plain_ms > 0 else self.verify(1) + self.step_overhead_ms
 
     def draft(self, cap: int) -> float:
         if cap <= 0 or not self.draft_caps:
@@ -83,14 +101,14 @@ class Calibration:
     @classmethod
     def synthetic(cls, verify: Callable[[int], float] | Sequence[float], max_cap: int, *,
                   draft: Callable[[int], float] | None = None, overhead_ms: float = 0.0,
-                  step_overhead_ms: float = 0.0) -> "Calibration":
+                  step_overhead_ms: float = 0.0, plain_ms: float = 0.0) -> "Calibration":
         """Curves from a function of the width (or a list indexed by width - 1): for tests and
         what-if tables."""
         widths = list(range(1, max_cap + 2))
         v = [float(verify(w)) if callable(verify) else float(verify[w - 1]) for w in widths]
         caps = list(range(1, max_cap + 1)) if draft else []
         return cls("synthetic", {}, widths, v, caps, [float(draft(c)) for c in caps] if draft else [],
-                   overhead_ms, step_overhead_ms)
+                   overhead_ms, step_overhead_ms, plain_ms)
 
 
 def _isotonic(ys: Sequence[float]) -> list[float]:
@@ -142,7 +160,7 @@ def expected_tokens(cap: int, p: Acceptance, survival: Sequence[float] | None = 
 
 def expected_ms(cal: Calibration, cap: int, survival: Sequence[float] | None = None) -> float:
     if cap <= 0:
-        return cal.verify(1) + cal.step_overhead_ms
+        return cal.plain_step_ms()
     verify = 0.0
     for k in range(cap + 1):  # k drafts verified: L == k below the cap, L >= cap at it
         pk = _survival(survival, k) - (_survival(survival, k + 1) if k < cap else 0.0)
@@ -164,7 +182,7 @@ def rates(cal: Calibration, p: Acceptance, survival: Sequence[float] | None = No
     re-picks every few rounds; this keeps it at microseconds)."""
     top = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
     v = [cal.verify(w) for w in range(1, top + 2)]
-    out = [1000.0 / (v[0] + cal.step_overhead_ms)]
+    out = [1000.0 / cal.plain_step_ms()]
     tokens, shorter, p_i = 1.0, 0.0, 1.0
     for c in range(1, top + 1):
         s_prev, s_c = _survival(survival, c - 1), _survival(survival, c)
@@ -212,6 +230,9 @@ class LearnedState:
     tried_at: list[float] = field(default_factory=list)  # per position bucket: drafts reached
     # decayed least-squares sums for round ms = c0 + c1 * g (g: the curve's width increment)
     cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
+    plain: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed (steps, ms) of plain steps
+    realized: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds, tokens, ms since unparking
+    probe_gap: int = PROBE_GAP
 
     def shrink(self, factor: float = 0.5) -> None:
         """Start a new request trusting the old evidence less (the content changed)."""
@@ -221,6 +242,8 @@ class LearnedState:
         self.accepted_at = [x * factor for x in self.accepted_at]
         self.tried_at = [x * factor for x in self.tried_at]
         self.cost = [x * factor for x in self.cost]
+        self.plain = [x * factor for x in self.plain]
+        self.realized = [x * factor for x in self.realized]
 
 
 def _bucket(position: int) -> int:
@@ -230,11 +253,12 @@ def _bucket(position: int) -> int:
 
 class _Corrected:
     """A calibration seen through the live cost fit: ``verify(w) = c0 + c1 * (verify_cal(w) -
-    verify_cal(1))``, drafter ms scaled by ``c1``. Quacks like ``Calibration`` for ``rates``."""
+    verify_cal(1))``, drafter ms scaled by ``c1``, the round overhead inside ``c0`` (it is fit
+    on whole rounds) and the live plain step. Quacks like ``Calibration`` for ``rates``."""
 
-    def __init__(self, cal: Calibration, c0: float, c1: float):
-        self.cal, self.c0, self.c1 = cal, c0, c1
-        self.max_cap, self.overhead_ms, self.step_overhead_ms = cal.max_cap, cal.overhead_ms, cal.step_overhead_ms
+    def __init__(self, cal: Calibration, c0: float, c1: float, plain_ms: float):
+        self.cal, self.c0, self.c1, self.plain_ms = cal, c0, c1, plain_ms
+        self.max_cap, self.overhead_ms = cal.max_cap, 0.0
         self._v1 = cal.verify(1)
 
     def verify(self, width: int) -> float:
@@ -243,9 +267,12 @@ class _Corrected:
     def draft(self, cap: int) -> float:
         return self.c1 * self.cal.draft(cap)
 
+    def plain_step_ms(self) -> float:
+        return self.plain_ms
+
 
 class CapController:
-    """``--max-draft auto``: re-picks the cap from the calibrated curves and live acceptance.
+    """``--max-draft auto``: re-picks the cap from the calibrated curves and live evidence.
 
     * Acceptance ``p``: an EWMA of per-token Bernoulli outcomes (each accepted draft a 1, the
       first rejected one a 0); a fully accepted round adds no 0 (censored: the next draft
@@ -256,14 +283,22 @@ class CapController:
     * Draft lengths ``S(i)``: a decayed Kaplan-Meier estimate from the drafts seen. A draft
       shorter than the cap is the drafter's natural length; one at the cap says only
       ``L >= cap``. Lengths never seen are assumed to continue (optimism that explores).
-    * Costs: the calibrated curve, corrected live. Round times (``observe``'s seconds) are fit
-      as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a plain step, by
-      decayed least squares shrunk toward the calibration (``c0 = verify(1)``, ``c1 = 1``). It
-      follows what the curve at 512 tokens cannot know: the real context (wide verifies cost
-      relatively less at short contexts on the CPU), load, clocks.
+    * Costs: the calibrated curve, corrected live. Round times (``observe``'s seconds, emit to
+      emit) are fit as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a
+      plain step, by decayed least squares shrunk toward the calibration. Plain steps (pipelined
+      runs) are timed on their own: cap 0 is priced at the realized plain step.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
-      ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds;
-      parked, every ``probe_every``-th round is a probe at a cheap cap to keep learning.
+      ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds,
+      and forced when the rounds since the last unparking (at least ``min_rounds``) realized
+      fewer tokens per second than plain steps do: whatever the model believes, a speculating
+      controller that loses to plain steps parks within a few rounds. Parked, the loop runs
+      pipelined plain steps; a probe at a cheap cap follows every ``probe_gap`` of them (the
+      gap doubles after each probe that does not unpark, up to ``MAX_PROBE_GAP``).
+    * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
+      live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
+      No warm plain steps, no cost fit, no realized-rate parking.
+    * ``warm_plain``: plain steps that open each request (unseeded), timing plain steps at this
+      context before the first round.
 
     The cap only decides how many drafts are verified, never what is committed: lossless.
     """
@@ -271,12 +306,15 @@ class CapController:
     label = "auto"
 
     def __init__(self, cal: Calibration, max_cap: int | None = None, *, state: LearnedState | None = None,
-                 alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03, repick_every: int = 4,
-                 hysteresis: float = 1.03, park_after: int = 24, probe_every: int = 8, cost_decay: float = 0.01,
-                 cost_prior: float = 0.5, position_prior: float = 4.0, position_decay: float = 0.01):
+                 seeded: bool = False, alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03,
+                 repick_every: int = 4, hysteresis: float = 1.03, park_after: int = 8, min_rounds: int = 4,
+                 warm_plain: int = 0, cost_decay: float = 0.01, cost_prior: float = 0.5, position_prior: float = 4.0,
+                 position_decay: float = 0.01, plain_decay: float = 0.05, plain_prior: float = 2.0,
+                 realized_decay: float = 0.1):
         self.cal = cal
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
+        self.seeded = seeded
         n = self.max_cap + 2
         self.state.at_risk = (self.state.at_risk + [0.0] * n)[:n]
         self.state.events = (self.state.events + [0.0] * n)[:n]
@@ -285,13 +323,17 @@ class CapController:
         self.state.tried_at = (self.state.tried_at + [0.0] * nb)[:nb]
         self.alpha, self.prior_weight, self.decay = alpha, prior_weight, decay
         self.repick_every, self.hysteresis = repick_every, hysteresis
-        self.park_after, self.probe_every = park_after, probe_every
+        self.park_after, self.min_rounds = park_after, min_rounds
         self.cost_decay, self.cost_prior = cost_decay, cost_prior
         self.position_prior, self.position_decay = position_prior, position_decay  # structure drifts slowly
+        self.plain_decay, self.plain_prior, self.realized_decay = plain_decay, plain_prior, realized_decay
         if len(self.state.cost) != 5:
             self.state.cost = [0.0] * 5
         self._since_repick = 0
-        self._since_probe = 0
+        self._since_probe = 0  # plain steps since parking or the last probe
+        self._probing = False
+        self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
+        self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
         self.history: list[int] = []  # cap returned per round (telemetry, tests)
         if self.state.cap is None or self.state.cap > self.max_cap:
@@ -317,9 +359,10 @@ class CapController:
         return self.cal.verify(drafted + 1) - self.cal.verify(1) + (self.cal.draft(cap) if cap > 0 else 0.0)
 
     def cost_fit(self) -> tuple[float, float]:
-        """(c0 ms, c1): the live fit of round ms = c0 + c1 * g, shrunk toward (verify(1), 1)."""
+        """(c0 ms, c1): the live fit of round ms = c0 + c1 * g, shrunk toward (verify(1) +
+        overhead, 1)."""
         W, Wg, Wgg, Ws, Wgs = self.state.cost
-        c0p = self.cal.verify(1)
+        c0p = self.cal.verify(1) + self.cal.overhead_ms
         g_ref = max(self._g(min(8, self.max_cap), min(8, self.max_cap)), 0.1 * c0p)
         p0, p1 = self.cost_prior, self.cost_prior * g_ref * g_ref
         a, b, d = W + p0, Wg, Wgg + p1
@@ -328,8 +371,23 @@ class CapController:
         c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
         return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.02), 10.0)
 
-    def corrected(self) -> "_Corrected":
-        return _Corrected(self.cal, *self.cost_fit())
+    def plain_ms(self) -> float:
+        """One plain step: the realized pipelined steps, shrunk toward the calibration."""
+        prior = self.cal.plain_step_ms()
+        if self.seeded:
+            return prior
+        steps, ms = self.state.plain
+        return (ms + self.plain_prior * prior) / (steps + self.plain_prior)
+
+    def realized_rate(self) -> float | None:
+        """Tokens per ms realized by the rounds since the last unparking (None: too few)."""
+        rounds, tokens, ms = self.state.realized
+        return tokens / ms if rounds >= self.min_rounds and ms > 0 else None
+
+    def corrected(self) -> Calibration | _Corrected:
+        if self.seeded:
+            return self.cal
+        return _Corrected(self.cal, *self.cost_fit(), self.plain_ms())
 
     def acceptance(self) -> list[float]:
         """p_i = P(draft i accepted | drafts before it were), i = 0..max_cap (index 0 unused):
@@ -344,26 +402,55 @@ class CapController:
     # -- CapPolicy -------------------------------------------------------------------------
     def cap(self) -> int:
         st = self.state
-        if st.parked and self._since_probe >= self.probe_every:
-            self._since_probe = 0
+        if self._warm > 0:
+            cap = 0
+        elif st.parked and self._since_probe >= st.probe_gap:
+            self._probing = True
             cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
         else:
             cap = 0 if st.parked else int(st.cap)
+        if cap == 0:
+            self._run_pos = 0  # a run of plain steps starts
         self._last_cap = cap
         self.history.append(cap)
         return cap
 
+    def plain_run(self) -> int:
+        """Plain steps to take in a row now that ``cap()`` said 0: to the next probe, parked."""
+        if self._warm > 0:
+            return self._warm
+        if self.state.parked:
+            return max(1, self.state.probe_gap - self._since_probe)
+        return 1
+
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         st = self.state
         cap = self._last_cap
-        if st.parked:
-            self._since_probe += 1
-        if cap > 0:
-            st.rounds += 1
-            self._learn_length(min(drafted, cap), cap)
-            self._learn_acceptance(drafted, accepted)
-        if seconds > 0:
-            self._learn_cost(min(drafted, cap), cap, seconds * 1000.0)
+        if cap == 0:  # one plain step
+            self._warm = max(0, self._warm - 1)
+            if st.parked:
+                self._since_probe += 1
+            if not self.seeded and seconds > 0 and self._run_pos > 0:  # the first one fills the pipeline
+                keep = 1.0 - self.plain_decay
+                st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + seconds * 1000.0]
+            self._run_pos += 1
+            return
+        self._run_pos = 0
+        st.rounds += 1
+        self._learn_length(min(drafted, cap), cap)
+        self._learn_acceptance(drafted, accepted)
+        if not self.seeded and seconds > 0:
+            ms = self._learn_cost(min(drafted, cap), cap, seconds * 1000.0)
+            keep = 1.0 - self.realized_decay
+            r, t, total = st.realized
+            st.realized = [r + 1.0, t * keep + accepted + 1.0, total * keep + ms]
+        if self._probing:
+            self._probing = False
+            self._since_probe = 0
+            self._repick()
+            if st.parked:
+                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
+            return
         self._since_repick += 1
         if self._since_repick >= self.repick_every:
             self._since_repick = 0
@@ -385,14 +472,17 @@ class CapController:
             w = max(self.alpha, 1.0 / (st.tokens_seen + self.prior_weight))
             st.p += w * (x - st.p)
 
-    def _learn_cost(self, k: int, cap: int, ms: float) -> None:
+    def _learn_cost(self, k: int, cap: int, ms: float) -> float:
+        """Fold one round's ms into the fit; returns it clipped to [0.5, 2] x the prediction (a
+        burst of contention is not the curve, and hits plain steps alike)."""
         g = self._g(k, cap)
         c0, c1 = self.cost_fit()
         predicted = c0 + c1 * g
-        ms = min(max(ms, 0.5 * predicted), 2.0 * predicted)  # a burst of contention is not the curve
+        ms = min(max(ms, 0.5 * predicted), 2.0 * predicted)
         keep = 1.0 - self.cost_decay
         W, Wg, Wgg, Ws, Wgs = (x * keep for x in self.state.cost)
         self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + ms, Wgs + g * ms]
+        return ms
 
     def _learn_length(self, k: int, cap: int) -> None:
         st = self.state
@@ -405,15 +495,29 @@ class CapController:
         if exact:
             st.events[k] += 1.0
 
+    def _park(self) -> None:
+        st = self.state
+        st.parked = True
+        self._since_probe = 0
+
     def _repick(self) -> None:
         st = self.state
         rates = self.rates()
-        allow_park = st.rounds >= self.park_after
-        best = _argmax(rates, allow_park)
         current = 0 if st.parked else int(st.cap)
+        realized = None if st.parked or self.seeded else self.realized_rate()
+        if realized is not None:
+            short = st.realized[0] < 4 * PROBE_GAP  # a spell that soon lost again: probe less often
+            if realized * 1000.0 * self.hysteresis < rates[0]:
+                self._park()  # the rounds themselves lost to plain steps
+                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if short else PROBE_GAP
+                return
+            if not short:
+                st.probe_gap = PROBE_GAP
+        best = _argmax(rates, st.rounds >= self.park_after)
         if rates[best] > rates[current] * self.hysteresis:
             if best == 0:
-                st.parked = True
-                self._since_probe = 0
+                self._park()
             else:
+                if st.parked:
+                    st.realized = [0.0, 0.0, 0.0]  # a new spell of rounds: judge it afresh
                 st.parked, st.cap = False, best

@@ -38,6 +38,7 @@ class GenerationResult:
     cap: int | str = 0
     token_times: list[float] = field(default_factory=list)  # seconds since the request began
     note: str | None = None  # why --mode auto ran baseline, when it had to
+    caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
 
     @property
     def generated(self) -> int:
@@ -113,6 +114,7 @@ class Engine:
         self.draft_model_spec: str | None = None
         self.drafter_bits: int | None = None  # None: 4-bit on Metal/CUDA, float32 on the CPU backend
         self.confidence_threshold: float | None = None
+        self.confidence_rule: str | None = None  # DSpark: "slot" | "product"; None = calibrated, else the drafter's
         self.draft_vocab: int | None = None  # DSpark: None = the drafter's draft_vocab.json, 0 = full vocabulary
         self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
         self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
@@ -171,6 +173,17 @@ class Engine:
     def default_cap(self, mode: str, drafter: Drafter | None) -> int:
         return modes.default_cap(self, mode, drafter)
 
+    def warm_up(self, modes: Sequence[str] = ("baseline",), *, progress: Callable[[int, int, str], None] | None = None,
+                tokens: int | None = None) -> float:
+        """Run once, now, the shapes and kernels ``modes`` will use (``engine/warmup.py``): on a GPU
+        backend the first request then pays no compile time. Returns the seconds it took."""
+        from engine.warmup import WARM_TOKENS, warm_up
+
+        modes = [self.resolve_mode(m) for m in modes]
+        prompt = [(5 * i + 2) % max(2, self.target.vocab_size) for i in range(16)]
+        return warm_up(self, modes, tokens=tokens or WARM_TOKENS, progress=progress,
+                       generate=lambda m: self.generate(prompt, mode=m, max_new_tokens=8))
+
     def mode_support(self) -> dict[str, str | None]:
         """Every mode, with None when this engine can run it, else the one-line reason it cannot
         (for the app's mode picker and ``tandem doctor``). Loads no drafter."""
@@ -212,7 +225,7 @@ class Engine:
             mode, drafter, note = "baseline", None, f"speculation off: {reason}"
         cap_label: int | str
         if cap_policy is None:
-            cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft)
+            cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
         else:
             cap_label = getattr(cap_policy, "label", "custom")
         stats = DecodeStats()
@@ -261,7 +274,7 @@ class Engine:
         yield Chunk(result=GenerationResult(
             text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
             prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
-            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note))
+            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps))
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         for chunk in self.stream(prompt, **kwargs):
@@ -270,14 +283,15 @@ class Engine:
         raise RuntimeError("stream ended without a result")  # unreachable
 
     # -- helpers ------------------------------------------------------------------------------
-    def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None) -> tuple[CapPolicy, int | str]:
+    def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None,
+                    seeded: bool = False) -> tuple[CapPolicy, int | str]:
         if drafter is None:
             return FixedCap(0), 0
         if max_draft is None:
             cap = self.default_cap(mode, drafter)
             return FixedCap(cap), cap
-        if max_draft == "auto":
-            return modes.auto_cap_policy(self, mode, drafter), "auto"
+        if max_draft == "auto":  # seeded: caps from the calibration and acceptance only (reproducible)
+            return modes.auto_cap_policy(self, mode, drafter, seeded=seeded), "auto"
         cap = int(max_draft)
         if cap < 0:
             raise TandemError(f"max-draft must be >= 0 or 'auto', got {max_draft}")

@@ -187,11 +187,18 @@ def make_dense_float32(model) -> None:
     mx.eval(model.parameters())
 
 
-def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allow_download: bool = False) -> LoadedModel:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allow_download: bool = False,
+               dtype: Optional[str] = None) -> LoadedModel:
     """Load ``spec`` (see module doc) with mlx-lm; any failure is a one-line TandemError.
 
-    ``dense=None`` follows ``platform.prefers_dense_float32()`` (True on CPU).
+    ``dense=None`` follows ``platform.prefers_dense_float32()`` (True on CPU). ``dtype`` casts
+    the floating parameters afterwards (quantized weights stay packed; their scales follow).
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise TandemError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     resolved = _resolve(spec, allow_download)
     folder = resolved.path
     _read_config(folder)
@@ -207,8 +214,9 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
         model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
         if dense:
             make_dense_float32(model)
-        else:
-            mx.eval(model.parameters())
+        if dtype is not None:
+            model.set_dtype(getattr(mx, dtype))
+        mx.eval(model.parameters())
     except ValueError as e:
         msg = _first_line(e)
         if m := re.match(r"Model type (\S+) not supported", msg):

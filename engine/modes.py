@@ -97,7 +97,8 @@ def block_drafter(engine: EngineLike, mode: str) -> Drafter:
     if cfg.kind == "dspark":
         from engine.drafters.dspark import DSparkDrafter
 
-        drafter = DSparkDrafter(model, cfg, engine.target, confidence_threshold=lambda: engine.confidence_threshold)
+        drafter = DSparkDrafter(model, cfg, engine.target, confidence_threshold=lambda: engine.confidence_threshold,
+                                confidence_rule=lambda: engine.confidence_rule)
     elif cfg.dflash2:
         from engine.drafters.dflash2 import DFlash2Drafter
 
@@ -225,8 +226,8 @@ def default_cap(engine: EngineLike, mode: str, drafter: Drafter | None) -> int:
     return min(DEFAULT_CAPS.get(mode, drafter.max_draft), drafter.max_draft)
 
 
-def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter) -> CapPolicy:
+def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False) -> CapPolicy:
     """--max-draft auto: a controller on top of this machine's calibrated cost curves."""
     from engine import calibrate
 
-    return calibrate.auto_cap_policy(engine, mode, drafter)
+    return calibrate.auto_cap_policy(engine, mode, drafter, seeded=seeded)

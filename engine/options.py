@@ -22,9 +22,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="small autoregressive draft model sharing the tokenizer (--mode draft)")
     p.add_argument("--drafter-bits", type=int, default=None,
                    help="quantize drafter weights to this many bits where quantized matmul is fast (Metal/CUDA; default 4)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="cast the target's floating parameters (quantized weights stay quantized on Metal/CUDA); "
+                        "default: float32 on the CPU backend, as stored on Metal/CUDA")
     p.add_argument("--confidence-threshold", type=float, default=None,
-                   help="DSpark: cut a draft where the running product of confidences falls below this "
-                        "(default: the drafter's own setting, if it has one; 0 = never cut)")
+                   help="DSpark: cut a draft at the confidence threshold (see --confidence-rule; default: the "
+                        "threshold this machine's calibration picked, else the drafter's own; 0 = never cut)")
+    p.add_argument("--confidence-rule", choices=("slot", "product"), default=None,
+                   help="DSpark: 'slot' stops at the first slot whose confidence is below the threshold (DeepSpec's "
+                        "rule), 'product' where the running product of confidences falls below it (default: the "
+                        "rule this machine's calibration picked, else the drafter's own, else slot)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="DSpark: draft from the first N tokens of the drafter's draft_vocab.json (most frequent "
                         "first); 0 = the full vocabulary; default: every token the file lists")
@@ -58,5 +65,6 @@ def load_engine(args: argparse.Namespace) -> "Engine":
     return load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
                 drafter_bits=getattr(args, "drafter_bits", None),
                 confidence_threshold=getattr(args, "confidence_threshold", None),
+                confidence_rule=getattr(args, "confidence_rule", None), dtype=getattr(args, "dtype", None),
                 draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
                 kv_bits=getattr(args, "kv_bits", None))

@@ -21,5 +21,6 @@ class EngineLike(Protocol):
     draft_model_spec: str | None
     drafter_bits: int | None
     confidence_threshold: float | None
+    confidence_rule: str | None
     draft_vocab: int | None
     lookup_first: bool | None

@@ -7,9 +7,19 @@ cache transaction (engine/caches.py) then keeps only the committed rows, so ever
 full attention, sliding window or recurrent state, is what a forward over the committed tokens
 would have left. A round always commits at least one token.
 
-With no drafter (baseline) or no proposal, a round is one plain target step. Baseline steps are
-pipelined the way ``mlx_lm.generate`` does it: the next forward is queued before the current
-token is read back, so the host never waits on the device between tokens.
+Plain steps (baseline, a parked ``--max-draft auto``, the last token) are pipelined the way
+``mlx_lm.generate`` does it: the next forward is queued before the current token is read back,
+so the host never waits on the device between tokens. The loop switches between runs of plain
+steps and speculative rounds as the cap policy asks (``CapPolicy.plain_run``): a run ends on a
+committed token that has not been fed to the target, exactly the state a round starts from.
+A round whose drafter has nothing to propose is one plain (unpipelined) step.
+
+Under a shape policy (``engine/shapes.py``, CUDA) a verify is padded to the next ladder width
+with filler rows after the drafts; their logits are never read and their cache rows are trimmed
+with the rejected drafts.
+
+Round times (``CapPolicy.observe``) are wall time from one emitted round to the next, so a
+plain step and a round are priced alike, including the consumer's share between them.
 """
 
 from __future__ import annotations
@@ -44,7 +54,10 @@ class RoundEvent:
 
 
 class CapPolicy(Protocol):
-    """Chooses how many drafts to verify each round. It can never change the output."""
+    """Chooses how many drafts to verify each round. It can never change the output.
+
+    When ``cap()`` is 0 the loop takes ``plain_run()`` pipelined plain steps (a policy without
+    the method gets one) and reports each to ``observe`` with ``drafted == 0``."""
 
     def cap(self) -> int: ...
 
@@ -58,8 +71,14 @@ class FixedCap:
     def cap(self) -> int:
         return self.value
 
+    def plain_run(self) -> int:
+        return PLAIN_FOREVER
+
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         pass
+
+
+PLAIN_FOREVER = 1 << 40
 
 
 @dataclass
@@ -67,6 +86,7 @@ class DecodeStats:
     prefill_s: float = 0.0
     prompt_tokens: int = 0
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
+    caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
     target_forwards: int = 0
     finish_reason: str = "length"
 
@@ -83,11 +103,13 @@ def decode(
     stats: DecodeStats | None = None,
     mode: str = "",
     prefill_progress: Callable[[int, int], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
     EOS is never yielded; a stop inside an accepted block truncates the block. The caller may
-    stop iterating at any time (stop strings, cancel); nothing needs cleaning up.
+    stop iterating at any time (stop strings, cancel); nothing needs cleaning up. ``clock``:
+    the time source for events and the cap policy (tests drive a cost model through it).
     """
     stats = stats if stats is not None else DecodeStats()
     cap_policy = cap_policy or FixedCap(drafter.max_draft if drafter else 0)
@@ -98,13 +120,13 @@ def decode(
     forwards_at_start = target.forwards
     stats.prompt_tokens = len(prompt_ids)
 
-    t0 = time.perf_counter()
+    t0 = clock()
     cache = target.new_cache()
     logits, hidden = target.prefill(prompt_ids, cache, tap=tap, progress=prefill_progress)
     first = sampler.pick(logits)
     ids = list(prompt_ids) + [first.item()]
-    stats.prefill_s = time.perf_counter() - t0
-    t_start = time.perf_counter()
+    stats.prefill_s = clock() - t0
+    t_start = clock()
     generated = 0
 
     def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by=""):
@@ -122,8 +144,9 @@ def decode(
                 break
         generated += len(out)
         stats.rounds.append((drafted, accepted))
+        stats.caps.append(cap)
         stats.target_forwards = target.forwards - forwards_at_start
-        event = RoundEvent(len(stats.rounds) - 1, time.perf_counter() - t_start, drafted, accepted, len(out), cap,
+        event = RoundEvent(len(stats.rounds) - 1, clock() - t_start, drafted, accepted, len(out), cap,
                            len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by)
         return out, event, done
 
@@ -135,54 +158,85 @@ def decode(
         return
 
     if drafter is None:
-        yield from _pipelined_steps(target, cache, first, sampler, emit)
-        return
+        for out, event, done, _ in _plain_run(target, cache, ids, sampler, PLAIN_FOREVER, False, emit):
+            yield out, event
+            if done:
+                return
+        return  # unreachable: a plain run ends at a stop
 
     drafter.begin(prompt_ids, hidden)
+    t_last = clock()  # end of the last emitted round: rounds are timed emit to emit
     while True:
         remaining = max_new_tokens - generated
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
-        t_round = time.perf_counter()
-        draft = drafter.propose(ids, cap, sampler) if cap > 0 else None
+        if cap == 0:
+            run = max(1, min(_plain_run_length(cap_policy), remaining))
+            for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit):
+                drafter.commit(ids, 1, hidden)
+                now = clock()
+                cap_policy.observe(0, 0, now - t_last)
+                t_last = now
+                yield out, event
+                if done:
+                    return
+            continue
+        t_round = clock()
+        draft = drafter.propose(ids, cap, sampler)
         if draft is not None and len(draft) > cap:
             draft.tokens = draft.tokens[:cap]
             draft.probs = None if draft.probs is None else draft.probs[:cap]
         k = len(draft) if draft is not None else 0
-        anchor = mx.array([ids[-1]], dtype=mx.uint32)
-        verify_ids = mx.concatenate([anchor, draft.tokens.astype(mx.uint32)]) if k else anchor
-        t_verify = time.perf_counter()
+        width = k + 1
+        pad = target.verify_width(width) - width if k else 0  # filler rows: read nothing, dropped by the commit
+        verify_ids = mx.array([ids[-1]], dtype=mx.uint32)
+        if k:
+            parts = [verify_ids, draft.tokens.astype(mx.uint32)]
+            verify_ids = mx.concatenate(parts + ([mx.full((pad,), ids[-1], dtype=mx.uint32)] if pad else []))
+        t_verify = clock()
         logits, hidden, txn = target.verify(verify_ids[None], cache, tap=tap)
+        if pad:
+            logits = logits[:width]
+        drafts = verify_ids[1:width]
         if sampler.greedy:
-            n, committed = accept_greedy(verify_ids[1:], logits)
+            n, committed = accept_greedy(drafts, logits)
         else:
-            n, committed = accept_sampled(verify_ids[1:], draft.probs if k else None, logits, sampler)
+            n, committed = accept_sampled(drafts, draft.probs if k else None, logits, sampler)
         txn.commit(n + 1)
-        t_end = time.perf_counter()
+        t_end = clock()
         ids.extend(committed)
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
-        cap_policy.observe(k, n, t_end - t_round)
         out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
                                 (draft.source or drafter.name) if k else "")
+        now = clock()
+        cap_policy.observe(k, n, now - t_last)
+        t_last = now
         yield out, event
         if done:
             return
 
 
-def _pipelined_steps(target: Target, cache: list, first: mx.array, sampler: Sampler, emit) -> Iterator:
-    """Plain decoding with the next forward queued before the current token is read.
-    ``first`` was already emitted by the caller; each step queues the forward after ``y``."""
+def _plain_run_length(policy: CapPolicy) -> int:
+    run = getattr(policy, "plain_run", None)
+    return int(run()) if run is not None else 1
 
-    def queue_next(y: mx.array) -> mx.array:
-        logits, _ = target.forward(y.reshape(1, 1).astype(mx.uint32), cache, last_only=True)
+
+def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n: int, tap: bool, emit) -> Iterator:
+    """``n`` plain target steps from the anchor ``ids[-1]``, each forward queued before the
+    previous token is read back. Appends each token to ``ids`` and yields (tokens, event, done,
+    tapped row of the token fed before it). The last token is not fed: it is the next anchor."""
+
+    def queue(token: mx.array) -> tuple[mx.array, mx.array | None]:
+        logits, hidden = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True, tap=tap)
         nxt = sampler.pick(logits[-1])
-        mx.async_eval(nxt)
-        return nxt
+        mx.async_eval(nxt, *([hidden] if hidden is not None else []))
+        return nxt, hidden
 
-    y = queue_next(first)
-    while True:
-        next_y = queue_next(y)
-        out, event, done = emit([y.item()], 0, 0, 0)
-        yield out, event
-        if done:
+    y, hidden = queue(mx.array(ids[-1]))
+    for i in range(n):
+        following = queue(y) if i + 1 < n else None
+        ids.append(y.item())
+        out, event, done = emit([ids[-1]], 0, 0, 0)
+        yield out, event, done, hidden
+        if done or following is None:
             return
-        y = next_y
+        y, hidden = following

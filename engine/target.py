@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches, recurrent
 from engine.errors import TandemError
+from engine.shapes import ShapePolicy, default_policy, stabilize
 
 PROBE_TOLERANCE = 1e-3
 LOW_PRECISION_TOLERANCE = 2e-2  # bf16/fp16 models: rounding of differently chunked forwards
@@ -83,9 +84,10 @@ class Target:
     """A loaded mlx-lm model with the calls the verify loop needs."""
 
     def __init__(self, model: nn.Module, tokenizer: Any = None, name: str = "target",
-                 rollback_method: str | None = None):
+                 rollback_method: str | None = None, shapes: ShapePolicy | None | str = "default"):
         """``rollback_method``: how recurrent state is rewound (engine/recurrent.py); default
-        from TANDEM_RECURRENT_ROLLBACK, else per-position states."""
+        from TANDEM_RECURRENT_ROLLBACK, else per-position states. ``shapes``: the stable-shape
+        policy (engine/shapes.py; default: the backend's)."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -113,6 +115,8 @@ class Target:
         self.vocab_size = int(reference.shape[-1])
         if self.recorder is not None:
             self._blocker = self._prove_rollback()
+        self.shapes: ShapePolicy | None = None  # stable attention/verify shapes (engine/shapes.py)
+        self.set_shapes(default_policy() if shapes == "default" else shapes)
 
     # -- construction helpers -------------------------------------------------------------
     def _probe_ids(self) -> mx.array:
@@ -181,10 +185,41 @@ class Target:
                 self.layers[i] = self.layers[i].layer
         self.tap_layers = ()
 
+    def set_shapes(self, policy: ShapePolicy | None) -> None:
+        """Use ``policy`` when a padded verify on its cache reproduces the plain cache's logits
+        (the probe also catches a model whose attention does not take the cache's mask)."""
+        self.shapes = None
+        if policy is None:
+            return
+        probe = self._probe_ids()
+        try:
+            plain, stable = make_prompt_cache(self.model), stabilize(make_prompt_cache(self.model), policy)
+            if not any(type(c) is not type(p) for c, p in zip(stable, plain)):
+                return  # nothing to stabilize (rotating windows, recurrent state)
+            want = self._two_step_logits(probe, plain)
+            got = self._two_step_logits(probe, stable)
+        except Exception:
+            return
+        if _close(got, want):
+            self.shapes = policy
+
+    def _two_step_logits(self, ids: mx.array, cache: list) -> mx.array:
+        """A 1-row then a 3-row forward on one cache: a step, then a verify after it."""
+        self.model(ids[:, :1], cache=cache)
+        out = self.model(ids[:, 1:], cache=cache)
+        mx.eval(out)
+        return out
+
+    def verify_width(self, width: int) -> int:
+        """Rows a verify of ``width`` tokens runs at (padded to the shape ladder, or exact)."""
+        return self.shapes.pad(width) if self.shapes is not None else width
+
     # -- the calls the loop makes -------------------------------------------------------------
     def new_cache(self) -> list:
         cache = make_prompt_cache(self.model)
-        return caches.quantize_kv(cache, self.kv_bits) if self.kv_bits else cache
+        if self.kv_bits:
+            return caches.quantize_kv(cache, self.kv_bits)
+        return stabilize(cache, self.shapes)
 
     def set_kv_bits(self, bits: int | None) -> None:
         """Quantize full-attention K/V to ``bits`` (4 or 8, group size 64; None: off). Probed with

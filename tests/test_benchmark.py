@@ -106,22 +106,77 @@ def test_prompts_folder(tmp_path, monkeypatch):
     with pytest.raises(TandemError, match="not found.*mt-bench.jsonl"):
         B.load_prompts(["chat"], 1)
     (tmp_path / "mt-bench.jsonl").write_text('{"turns": ["hi", "again"]}\n\n{"turns": ["two"]}\n{"turns": ["3"]}\n')
-    (tmp_path / "gsm8k.jsonl").write_text('{"turns": ["1+1?"]}\n{"nope": 1}\n')
+    (tmp_path / "math500.jsonl").write_text('{"turns": ["1+1?"]}\n{"nope": 1}\n')
     assert B.load_prompts(["chat", "math"], 1) == [("chat", "hi"), ("math", "1+1?")]
     assert B.load_prompts(["chat"], 2) == [("chat", "hi"), ("chat", "two")]
-    with pytest.raises(TandemError, match=r"gsm8k.jsonl:2"):
+    with pytest.raises(TandemError, match=r"math500.jsonl:2"):
         B.load_prompts(["math"], 2)
     with pytest.raises(TandemError, match="unknown prompt class 'poetry'"):
         B.load_prompts(["poetry"], 1)
 
 
-def test_shared_prompt_sets_load_when_present(monkeypatch):
+def test_shipped_prompt_sets_load_without_any_folder_beside_the_checkout(monkeypatch):
+    from engine import prompts as P
+    from engine.paths import resources_dir
+
     monkeypatch.delenv("TANDEM_PROMPTS_DIR", raising=False)
-    if not B.prompts_dir().is_dir():
-        pytest.skip("no ../shared/data/prompts next to this checkout")
-    prompts = B.load_prompts(["chat", "code", "math"], 2)
-    assert [c for c, _ in prompts] == ["chat", "chat", "code", "code", "math", "math"]
-    assert "def " in prompts[2][1] and all(p.strip() for _, p in prompts)
+    assert P.prompts_dir() == resources_dir() / "prompts"
+    prompts = B.load_prompts(["chat", "code", "math"], 12)
+    assert [c for c, _ in prompts] == ["chat"] * 12 + ["code"] * 12 + ["math"] * 12
+    assert "def " in prompts[12][1] and all(p.strip() for _, p in prompts)
+    spec = P.load_spec_bench(per_category=10)
+    assert [c for c, _ in spec] == [c for c in P.SPEC_BENCH for _ in range(10)]
+    turns = [p for c, p in spec if c == "multi-turn"]
+    assert all(isinstance(p, P.Turns) and len(p.turns) == 2 for p in turns)
+    assert all(isinstance(p, str) and p.strip() for c, p in spec if c != "multi-turn")
+    assert "NOTICE" in {f.name for f in P.prompts_dir().iterdir()}
+    with pytest.raises(TandemError, match="unknown Spec-Bench category 'poetry'"):
+        P.load_spec_bench(["poetry"])
+
+
+def test_the_product_never_reads_the_team_folder():
+    from engine.paths import resources_dir
+
+    root = resources_dir().parent
+    hits = [str(f.relative_to(root)) for d in ("engine", "app", "resources") for f in (root / d).rglob("*")
+            if f.is_file() and f.suffix in (".py", ".json", ".jsonl", ".txt", ".md", "")
+            and any(s in f.read_text(errors="ignore") for s in ("shared/data", "../shared"))]
+    assert hits == []
+
+
+def test_multi_turn_prompts_time_the_last_turn_after_the_targets_own_answer(eng, cache_dir):
+    from engine.prompts import Turns
+
+    class Chat:  # the tiny tokenizer with a chat template: "role: content" lines
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            text = " ".join(f"w{2 + len(m['content']) % 90}" for m in messages)
+            return eng.tokenizer.encode(text)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    tok = eng.tokenizer
+    eng.tokenizer = Chat()
+    try:
+        messages = B.conversation(eng, Turns(("first question", "and a second one")), 6)
+        first = eng.generate([{"role": "user", "content": "first question"}], mode="baseline", max_new_tokens=6)
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[1]["content"] == first.text and messages[2]["content"] == "and a second one"
+        report = B.run_benchmark(eng, [("multi-turn", Turns(("first question", "and a second one")))],
+                                 B.make_arms(["lookup"], [4]), trials=1, max_new_tokens=6)
+        assert report["prompts"][0]["prompt_tokens"] == len(eng.encode(messages))
+    finally:
+        eng.tokenizer = tok
+    assert B.conversation(eng, Turns(("a", "b")), 4) == "a\n\nb"  # no chat template: one text
+
+
+def test_lossless_column_names_ties_and_mismatches():
+    assert B.lossless_label({"lossless": True, "ties": 0}) == "yes"
+    assert B.lossless_label({"lossless": True, "ties": 1}) == "yes, 1 tie"
+    assert B.lossless_label({"lossless": True, "ties": 3}) == "yes, 3 ties"
+    assert B.lossless_label({"lossless": False, "ties": 2}) == "NO"
 
 
 def test_cli_errors_are_one_line(tmp_path, monkeypatch, capsys):
@@ -142,7 +197,7 @@ def test_cli_benchmark_end_to_end(cache_dir, tmp_path, monkeypatch, capsys):
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     for name, text in (("mt-bench", "Tell me about the sea."), ("humaneval", "def add(a, b):"),
-                       ("gsm8k", "What is 2 + 3?")):
+                       ("math500", "What is 2 + 3?")):
         (prompts / f"{name}.jsonl").write_text(json.dumps({"turns": [text]}) + "\n")
     monkeypatch.setenv("TANDEM_PROMPTS_DIR", str(prompts))
     report_path = tmp_path / "out" / "report.json"

@@ -17,7 +17,7 @@ from engine import modes
 from engine.drafters import block, checkpoint
 from engine.drafters.checkpoint import load_checkpoint, new_dspark_model, save_drafter
 from engine.drafters.dflash import DFlashDrafter
-from engine.drafters.dspark import DSparkDrafter, chain_tokens
+from engine.drafters.dspark import DSparkDrafter, chain_tokens, keep_count
 from engine.errors import TandemError
 from engine.generate import Engine
 from engine.sampling import Sampler, SamplingParams, sample_from, target_probs
@@ -323,13 +323,25 @@ def test_confidence_head_only_shortens_drafts(tmp_path):
     conf = 1 / (1 + np.exp(-(feats @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"][0])))
     survival = np.cumprod(conf)
     assert 0.1 < survival[-1] < 0.9  # the thresholds below really cut
-    for threshold in (0.05, float(survival[2]) - 1e-4, float(survival[4]) + 1e-4, 0.97):
-        d = DSparkDrafter(full.model, full.cfg, target, confidence_threshold=threshold)
-        d.begin(ids[:-1], hidden)
-        draft = d.propose(ids, 7, GREEDY)
-        keep = int((survival >= threshold).sum())
-        got = [] if draft is None else draft.tokens.tolist()
-        assert got == untruncated[:keep]
+    # DeepSpec's rule (the default): stop at the first slot scored below the threshold; the
+    # product rule: stop where the running product falls below it.
+    for rule, scores in (("slot", conf), ("product", survival)):
+        cuts = set()
+        for threshold in (0.05, float(np.sort(scores)[1]) + 1e-4, float(np.median(scores)) + 1e-4, 0.97):
+            kw = {} if rule == "slot" else {"confidence_rule": rule}
+            d = DSparkDrafter(full.model, full.cfg, target, confidence_threshold=threshold, **kw)
+            d.begin(ids[:-1], hidden)
+            draft = d.propose(ids, 7, GREEDY)
+            below = np.nonzero(scores < threshold)[0]
+            keep = int(below[0]) if len(below) else 7
+            got = [] if draft is None else draft.tokens.tolist()
+            assert got == untruncated[:keep], (rule, threshold)
+            assert keep == keep_count(conf.tolist(), threshold, rule)
+            cuts.add(keep)
+        assert cuts & set(range(1, 7)), rule  # some threshold cut inside the block
+    # slot keeps at least as much as product at every threshold (c_k >= prod_{i<=k} c_i)
+    for threshold in np.linspace(0.05, 0.95, 19):
+        assert keep_count(conf.tolist(), threshold, "slot") >= keep_count(conf.tolist(), threshold, "product")
     # Through the loop: same output at every threshold, never more drafted per round.
     base = engine.generate([9, 10, 11], mode="baseline", max_new_tokens=30)
     truncated_rounds = 0
@@ -347,13 +359,27 @@ def test_confidence_head_only_shortens_drafts(tmp_path):
     # A drafter's own default (config.json tandem.confidence_threshold) applies when the
     # engine sets none; 0 turns it off; a bad value is refused at load.
     mid = float(survival[3])
-    own = DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_threshold": mid}), target)
+    own = DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_threshold": mid,
+                                                                  "confidence_rule": "product"}), target)
     for setting, keep in ((None, int((survival >= mid).sum())), (0.0, 7)):
         own._threshold = lambda s=setting: s
         own.begin(ids[:-1], hidden)
         assert own.propose(ids, 7, GREEDY).tokens.tolist() == untruncated[:keep]
+    # a calibrated cut applies when the user sets neither rule nor threshold; theirs wins
+    own._threshold, own.calibrated = (lambda: None), ("slot", float(conf[2]) + 1e-4)
+    assert own.cut() == ("slot", float(conf[2]) + 1e-4)
+    own._threshold = lambda: 0.5
+    assert own.cut() == ("product", 0.5)
+    own._rule = lambda: "slot"
+    assert own.cut() == ("slot", 0.5)
     with pytest.raises(TandemError, match="tandem.confidence_threshold must be a number"):
         DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_threshold": "high"}), target)
+    with pytest.raises(TandemError, match="tandem.confidence_rule must be one of slot, product"):
+        DSparkDrafter(full.model, dict_cfg(full.cfg, tandem={"confidence_rule": "sum"}), target)
+    engine.confidence_rule = "sum"
+    with pytest.raises(TandemError, match="confidence rule must be one of slot, product, got 'sum'"):
+        engine.generate([9, 10, 11], mode="dspark", max_new_tokens=5)
+    engine.confidence_rule = None
 
 
 def dict_cfg(cfg, **raw):

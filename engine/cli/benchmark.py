@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from engine.benchmark import CLASSES, format_report, load_prompts, make_arms, parse_caps, run_benchmark
+from engine.benchmark import format_report, make_arms, parse_caps, run_benchmark
+from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_prompts, load_spec_bench
 from engine.calibrate import tqdm_progress
 from engine.errors import TandemError
 from engine.generate import MODES
@@ -23,10 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(e.g. 2,4,8,16,32,auto sweeps them); default: each mode's default cap")
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompts-per-class", type=int, default=3)
-    p.add_argument("--classes", default="chat,code,math", help=f"comma-separated, from: {', '.join(CLASSES)}")
-    p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR "
-                                                       "or ../shared/data/prompts next to the repository)")
+    p.add_argument("--suite", choices=SUITES, default="classes",
+                   help="'classes': chat, code and math prompts; 'spec-bench': Spec-Bench's categories (multi-turn, "
+                        "translation, summarization, qa, math, rag), one column each")
+    p.add_argument("--prompts-per-class", type=int, default=3, help="prompts per class (or Spec-Bench category)")
+    p.add_argument("--classes", default=None,
+                   help=f"comma-separated; classes: {', '.join(CLASSES)} (default all); spec-bench: "
+                        f"{', '.join(SPEC_BENCH)} (default all)")
+    p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR, "
+                                                       "else the prompts shipped with Tandem)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
 
 
@@ -37,19 +43,26 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
     if args.prompts_per_class < 1:
         raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
-    classes = [c.strip() for c in args.classes.split(",") if c.strip()]
-    prompts = load_prompts(classes, args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
+    classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
+    folder = Path(args.prompts_dir) if args.prompts_dir else None
+    if args.suite == "spec-bench":
+        prompts = load_spec_bench(classes or None, args.prompts_per_class, folder)
+    else:
+        prompts = load_prompts(classes or list(CLASSES), args.prompts_per_class, folder)
     caps = parse_caps(args.max_draft)
     eng = load_engine(args)
     arms = make_arms(modes, caps)
     cal_progress, cal_close = tqdm_progress("calibrating")
+    warm_progress, warm_close = tqdm_progress("warming up")
     progress, close = tqdm_progress(f"benchmark {eng.name}")
     try:
         report = run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
-                               progress=progress, calibration_progress=cal_progress)
+                               progress=progress, calibration_progress=cal_progress, warmup_progress=warm_progress)
     finally:
         cal_close()
+        warm_close()
         close()
+    report["suite"] = args.suite
     print(format_report(report))
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)

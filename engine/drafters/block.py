@@ -39,6 +39,7 @@ from engine.drafters.base import Drafter
 from engine.errors import TandemError
 
 if TYPE_CHECKING:
+    from engine.shapes import ShapePolicy
     from engine.target import Target
 
 CONTEXT_CHUNK = 512  # prompt rows projected per eval in begin(): bounded memory
@@ -281,14 +282,15 @@ def check_compatible(cfg: BlockConfig, target: "Target", where: str = "drafter")
 # Modules (attribute names are the checkpoint key names)
 # ----------------------------------------------------------------------------------------
 class ContextKV:
-    """One layer's K/V for the committed context, in a buffer that grows in steps.
+    """One layer's K/V for the committed context, in a buffer that grows in ``step`` rows.
 
     ``append`` keeps rows (context); ``with_block`` writes the block's rows after them and
-    returns views over both, leaving the offset where it was (the block is discarded)."""
+    returns keys/values over both, leaving the offset where it was (the block is discarded).
+    ``stable``: hand attention the whole buffer (rows past the block are masked by the caller),
+    so its shape changes once per ``step`` rows instead of every round (``engine/shapes.py``)."""
 
-    STEP = 256
-
-    def __init__(self) -> None:
+    def __init__(self, step: int = 256, stable: bool = False) -> None:
+        self.step, self.stable = step, stable
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
@@ -296,7 +298,7 @@ class ContextKV:
     def _fit(self, need: int, k: mx.array, v: mx.array) -> None:
         if self.keys is not None and need <= self.keys.shape[2]:
             return
-        size = ((need + self.STEP - 1) // self.STEP) * self.STEP
+        size = ((need + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
         new_v = mx.zeros((1, v.shape[1], size, v.shape[3]), dtype=v.dtype)
         if self.keys is not None and self.offset:
@@ -316,6 +318,8 @@ class ContextKV:
         self._fit(self.offset + n, k, v)
         self.keys[..., self.offset : self.offset + n, :] = k
         self.values[..., self.offset : self.offset + n, :] = v
+        if self.stable:
+            return self.keys, self.values
         end = self.offset + n
         return self.keys[..., :end, :], self.values[..., :end, :]
 
@@ -347,6 +351,15 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(1, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         return self.rope(k, offset=offset), v
 
+    def mask(self, p: int, n: int, keys: int) -> mx.array | None:
+        """Which of ``keys`` rows the block rows (positions p..p+n-1) see: the context and the
+        block (causal and windowed for DFlash sliding layers), nothing past them. None: all."""
+        if keys == p + n and not (self.causal or self.window):
+            return None
+        from engine.shapes import capacity_mask
+
+        return capacity_mask(p, n, keys, self.window, self.causal)
+
     def append_context(self, ctx: mx.array, kv: ContextKV) -> None:
         """K/V of new context rows (the same projected target states feed every layer)."""
         k, v = self._kv(ctx, kv.offset)
@@ -359,18 +372,7 @@ class Attention(nn.Module):
         q = self.rope(q, offset=p)
         k, v = self._kv(x, p)
         keys, values = kv.with_block(k, v)
-        mask = None
-        if self.causal or self.window:
-            q_pos = mx.arange(p, p + n)[:, None]
-            k_pos = mx.arange(p + n)[None, :]
-            mask = mx.ones((n, p + n), dtype=mx.bool_)
-            if self.causal:
-                mask = mask & (k_pos <= q_pos)
-            if self.window:
-                mask = mask & (q_pos - k_pos < self.window)
-                if not self.causal:
-                    mask = mask & (k_pos - q_pos < self.window)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.mask(p, n, keys.shape[2]))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
 
 
@@ -409,8 +411,10 @@ class BlockBackbone(nn.Module):
         self.fc = nn.Linear(len(cfg.tap_layers) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def new_cache(self) -> list[ContextKV]:
-        return [ContextKV() for _ in self.layers]
+    def new_cache(self, policy: "ShapePolicy | None" = None) -> list[ContextKV]:
+        if policy is None:
+            return [ContextKV() for _ in self.layers]
+        return [ContextKV(policy.step, stable=True) for _ in self.layers]
 
     def append_context(self, hidden: mx.array, caches: list[ContextKV]) -> None:
         """hidden [m, n_taps*H]: tapped target rows of newly committed tokens."""
@@ -513,32 +517,57 @@ class BlockDrafter(Drafter):
         self.block_size = cfg.block_size
         self.max_draft = cfg.max_draft
         self.dtype = model.fc.weight.dtype if not isinstance(model.fc, nn.QuantizedLinear) else model.fc.scales.dtype
-        self._caches: list[ContextKV] = model.new_cache()
-        self.context_len = 0  # committed rows in the context cache
+        self._caches: list[ContextKV] = model.new_cache(target.shapes)
+        self.context_len = 0  # committed rows: in the context cache, then the pending ones
+        self._pending: list[mx.array] = []  # committed rows not projected yet
+        self._drafting = False  # a proposal came since the last commit (speculative rounds)
 
     # -- context ------------------------------------------------------------------------
     def _append(self, hidden: mx.array) -> None:
         self.model.append_context(hidden.astype(self.dtype), self._caches)
-        self.context_len += int(hidden.shape[0])
 
     def _cache_state(self) -> list[mx.array]:
         return [a for kv in self._caches for a in kv.state]
 
+    def _flush(self) -> None:
+        """Project the pending rows into the context cache, in bounded chunks."""
+        if not self._pending:
+            return
+        rows = mx.concatenate(self._pending, axis=0) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        for start in range(0, int(rows.shape[0]), CONTEXT_CHUNK):
+            self._append(rows[start : start + CONTEXT_CHUNK])
+            if rows.shape[0] > CONTEXT_CHUNK:
+                mx.eval(self._cache_state())
+
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
         if hidden is None:
             raise TandemError(f"{self.name}: the target produced no tapped hidden states")
-        self._caches = self.model.new_cache()
-        self.context_len = 0
-        for start in range(0, int(hidden.shape[0]), CONTEXT_CHUNK):
-            self._append(hidden[start : start + CONTEXT_CHUNK])
-            mx.eval(self._cache_state())
+        self._caches = self.model.new_cache(self.target.shapes)
+        self._pending, self._drafting = [hidden], False
+        self.context_len = int(hidden.shape[0])
+        self._flush()
+        mx.eval(self._cache_state())
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
-        # Rows for the previous anchor and the accepted drafts: context only ever grows.
+        # Rows for the previous anchor and the accepted drafts: context only ever grows. Between
+        # proposals (speculative rounds) they are projected now, overlapping the loop's own work;
+        # during plain steps they wait until the next proposal needs them, as one batch.
         if hidden is None or hidden.shape[0] == 0:
             return
-        self._append(hidden)
-        mx.async_eval(self._cache_state())
+        self._pending.append(hidden)
+        self.context_len += int(hidden.shape[0])
+        if self._drafting:
+            self._drafting = False
+            self._flush()
+            mx.async_eval(self._cache_state())
+
+    def reserve(self, rows: int) -> None:
+        """Grow the context buffers to hold ``rows`` now (the warm-up builds later shapes)."""
+        self._flush()
+        for kv in self._caches:
+            if kv.keys is not None:
+                kv._fit(rows, kv.keys, kv.values)
 
     # -- block --------------------------------------------------------------------------
     def embed(self, ids: mx.array) -> mx.array:
@@ -549,5 +578,7 @@ class BlockDrafter(Drafter):
         anchor_pos = len(ids) - 1
         if anchor_pos != self.context_len:
             raise RuntimeError(f"{self.name} drafter out of step: {self.context_len} context rows for an anchor at {anchor_pos}")
+        self._flush()
+        self._drafting = True
         block = mx.array([int(ids[-1])] + [self.cfg.mask_token_id] * (self.block_size - 1), dtype=mx.uint32)
         return self.model.block(self.embed(block)[None].astype(self.dtype), self._caches)[0]

@@ -4,9 +4,13 @@ chained left to right through the Markov head, optionally cut short by the confi
 Slot k's logits are ``lm_head(h_k) + W2·W1[x_{k-1}]`` with x_0 the anchor and x_{k-1} the token
 actually chosen at slot k-1 (argmax when greedy, a sample from the truncated distribution q_k
 when sampling; q_k is what the verify rule receives). The confidence head scores slot k from
-``[h_k; W1[x_{k-1}]]``; the draft keeps slots while the running product of the scores stays at
-or above the threshold. That decision for slot k depends only on the tokens before it, so it
-is a stopping rule and the verify rule stays exact; greedy output never changes.
+``[h_k; W1[x_{k-1}]]``, and the draft is cut by one of two rules: ``slot`` (DeepSpec's
+evaluator, the family's published behaviour and the default) stops at the first slot whose own
+score is below the threshold; ``product`` keeps slots while the running product of the scores
+stays at or above it (shorter drafts). Either decision for slot k depends only on the tokens
+before it, so it is a stopping rule and the verify rule stays exact; greedy output never
+changes. The calibrator picks the rule and threshold that pay on this machine
+(``engine/calibrate.py``): where a longer verify costs little, longer drafts win.
 
 With a draft vocabulary (the drafter folder's ``draft_vocab.json``, FR-Spec), the head and the
 Markov output keep only the listed tokens' rows: a proposal reads N x H head weights instead of
@@ -74,9 +78,25 @@ def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
     return model.confidence_head(feats)
 
 
-def confident_prefix(conf: mx.array, threshold: float) -> int:
-    """How many leading slots keep the running product of confidences >= threshold."""
-    alive = mx.cumprod(conf.astype(mx.float32)) >= threshold
+RULES = ("slot", "product")
+
+
+def keep_count(conf: Sequence[float], threshold: float, rule: str = "slot") -> int:
+    """How many leading slots a cut keeps: ``slot``: up to the first slot scored below the
+    threshold; ``product``: while the running product of scores stays >= the threshold."""
+    kept, running = 0, 1.0
+    for c in conf:
+        running *= c
+        if (c if rule == "slot" else running) < threshold:
+            break
+        kept += 1
+    return kept
+
+
+def confident_prefix(conf: mx.array, threshold: float, rule: str = "slot") -> int:
+    """``keep_count`` on the device (one read-back of the count)."""
+    conf = conf.astype(mx.float32)
+    alive = (conf if rule == "slot" else mx.cumprod(conf)) >= threshold
     return int(mx.cumprod(alive.astype(mx.int32)).sum().item())
 
 
@@ -84,31 +104,46 @@ class DSparkDrafter(BlockDrafter):
     name = "dspark"
 
     def __init__(self, model: DSparkModel, cfg: BlockConfig, target: "Target", *,
-                 confidence_threshold: float | Callable[[], float | None] | None = None):
-        """``confidence_threshold``: a value, or a callable read at every proposal (the
-        engine's setting, so changing it needs no reload). None: the drafter's own default
-        (config.json ``tandem.confidence_threshold``, set where it was measured to pay), else
-        no truncation; 0: no truncation."""
+                 confidence_threshold: float | Callable[[], float | None] | None = None,
+                 confidence_rule: str | Callable[[], str | None] | None = None):
+        """``confidence_threshold`` / ``confidence_rule``: a value, or a callable read at every
+        proposal (the engine's setting, so changing it needs no reload). None: the cut this
+        machine's calibration picked (``calibrated``, set by the calibrator), else the drafter's
+        own (config.json ``tandem.confidence_threshold`` / ``tandem.confidence_rule``), else the
+        slot rule without a threshold (no cut); a threshold of 0: no cut."""
         super().__init__(model, cfg, target)
         self._threshold = confidence_threshold if callable(confidence_threshold) else (lambda: confidence_threshold)
+        self._rule = confidence_rule if callable(confidence_rule) else (lambda: confidence_rule)
         extra = cfg.raw.get("tandem") if isinstance(cfg.raw.get("tandem"), dict) else {}
         self.default_threshold = extra.get("confidence_threshold")
         if self.default_threshold is not None and (isinstance(self.default_threshold, bool) or not isinstance(
                 self.default_threshold, (int, float)) or not 0.0 <= self.default_threshold <= 1.0):
             raise TandemError(f"dspark drafter: config.json tandem.confidence_threshold must be a number in [0, 1], "
                               f"got {self.default_threshold!r}")
-        self.threshold()  # validate now
+        self.default_rule = extra.get("confidence_rule", "slot")
+        if self.default_rule not in RULES:
+            raise TandemError(f"dspark drafter: config.json tandem.confidence_rule must be one of {', '.join(RULES)}, "
+                              f"got {self.default_rule!r}")
+        self.calibrated: tuple[str, float] | None = None  # (rule, threshold) this machine's calibration picked
+        self.trace: list[list[float]] | None = None  # when a list: record every slot's score, cut nothing
+        self.cut()  # validate now
         self.vocab_ids = mx.array(cfg.draft_vocab, dtype=mx.uint32) if cfg.draft_vocab else None
 
-    def threshold(self) -> float | None:
-        value = self._threshold()
-        if value is None:
-            value = self.default_threshold
-        if value is None:
-            return None
-        if not 0.0 <= float(value) <= 1.0:
-            raise TandemError(f"confidence threshold must be in [0, 1], got {value}")
-        return float(value) if value > 0 and self.cfg.confidence_head else None
+    def cut(self) -> tuple[str, float | None]:
+        """(rule, threshold or None for no cut) in force now."""
+        threshold, rule = self._threshold(), self._rule()
+        if rule is not None and rule not in RULES:
+            raise TandemError(f"confidence rule must be one of {', '.join(RULES)}, got '{rule}'")
+        if threshold is None and rule is None and self.calibrated is not None:
+            rule, threshold = self.calibrated
+        if threshold is None:
+            threshold = self.default_threshold
+        rule = rule or self.default_rule
+        if threshold is None:
+            return rule, None
+        if not 0.0 <= float(threshold) <= 1.0:
+            raise TandemError(f"confidence threshold must be in [0, 1], got {threshold}")
+        return rule, (float(threshold) if threshold > 0 and self.cfg.confidence_head else None)
 
     def embed(self, ids: mx.array) -> mx.array:
         return self.model.embed_tokens(ids)
@@ -119,9 +154,12 @@ class DSparkDrafter(BlockDrafter):
             return None
         h = self.block_states(ids)[:cap]  # the backbone always runs the full block
         tokens, q, prevs = chain_tokens(self.model, h, int(ids[-1]), sampler, self.vocab_ids)
-        threshold = self.threshold()
+        if self.trace is not None and self.cfg.confidence_head:
+            self.trace.append(confidences(self.model, h, prevs).astype(mx.float32).tolist())
+            return Draft(tokens, q)
+        rule, threshold = self.cut()
         if threshold is not None:
-            keep = confident_prefix(confidences(self.model, h, prevs), threshold)
+            keep = confident_prefix(confidences(self.model, h, prevs), threshold, rule)
             if keep == 0:
                 return None
             tokens, q = tokens[:keep], (None if q is None else q[:keep])

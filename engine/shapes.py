@@ -1,0 +1,128 @@
+"""Stable shapes: few distinct attention and verify shapes, so a GPU backend compiles each once.
+
+MLX's CUDA backend builds a cuDNN attention graph for every new (query rows, key rows) shape of
+a multi-row forward (tens of ms each) and a matmul plan for every new width. A verify forward
+over ``[anchor] + drafts`` on a cache of ``offset`` rows has a new shape nearly every round (the
+offset grows, the draft length varies), so speculative rounds kept paying that compile cost: on
+an H200 the first run of a prompt was 10x slower than the same prompt again. Under a
+``ShapePolicy``:
+
+* ``StableKVCache`` (a drop-in mlx-lm ``KVCache``) grows its buffers in ``step`` rows and hands a
+  multi-row forward the whole buffer with an explicit mask (rows past the offset are masked
+  out, so they add exact zeros to the softmax); one-row steps get the usual slice, which MLX
+  already serves from shape-stable kernels. Key rows change only every ``step`` tokens.
+* verify widths are padded up to the next width of a short ladder (``pad``): the loop appends
+  filler tokens after the drafts, reads no logits from them and trims their rows from the cache
+  with the rejected drafts, so nothing of them is committed or left behind (causal attention:
+  real rows never see them).
+
+The block drafters' context cache (``engine/drafters/block.py``) follows the same policy. On the
+CPU and Metal backends nothing is compiled per shape and the policy is off (``TANDEM_STABLE_SHAPES=1``
+forces it, ``0`` turns it off).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+CUDA_STEP = 1024  # KV rows per growth step on CUDA: one new attention graph per width every 1024 tokens
+LADDER = (1, 2, 4, 8, 16, 32, 64)  # verify widths (a 135M..8B forward costs about the same at 5 and 8 rows)
+
+
+@dataclass(frozen=True)
+class ShapePolicy:
+    step: int = CUDA_STEP
+    widths: tuple[int, ...] = LADDER
+
+    def pad(self, width: int) -> int:
+        """The ladder width a forward of ``width`` rows runs at (wider than the ladder: exact)."""
+        for w in self.widths:
+            if w >= width:
+                return w
+        return width
+
+    def capacity(self, rows: int) -> int:
+        """Buffer rows holding ``rows`` (a multiple of ``step``)."""
+        return max(1, -(-rows // self.step)) * self.step
+
+
+def default_policy() -> ShapePolicy | None:
+    """Stable shapes where a backend compiles per shape (CUDA), else None."""
+    forced = os.environ.get("TANDEM_STABLE_SHAPES", "").strip()
+    if forced in ("0", "1"):
+        return ShapePolicy() if forced == "1" else None
+    from engine import platform
+
+    return ShapePolicy() if platform.backend() == "cuda" else None
+
+
+def capacity_mask(offset: int, rows: int, capacity: int, window: int | None = None, causal: bool = True) -> mx.array:
+    """[rows, capacity] bool: query row i (absolute position offset + i) sees key j when j holds
+    a real row (j < offset + rows), j <= offset + i (causal) and, with a window, lies within it."""
+    q = mx.arange(offset, offset + rows)[:, None]
+    k = mx.arange(capacity)[None, :]
+    mask = k < offset + rows
+    if causal:
+        mask = mask & (k <= q)
+    if window:
+        mask = mask & (q - k < window)
+        if not causal:
+            mask = mask & (k - q < window)
+    return mask
+
+
+class StableKVCache(KVCache):
+    """mlx-lm's ``KVCache`` with capacity-shaped multi-row attention (see the module docstring).
+    Trimming is the parent's (the offset moves back; stale rows stay masked)."""
+
+    def __init__(self, step: int = CUDA_STEP):
+        super().__init__()
+        self.step = step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        prev, n = self.offset, keys.shape[2]
+        if self.keys is None or prev + n > self.keys.shape[2]:
+            self._grow(prev + n, keys, values)
+        self.keys[..., prev : prev + n, :] = keys
+        self.values[..., prev : prev + n, :] = values
+        self.offset += n
+        if n == 1:
+            return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.keys, self.values
+
+    def _grow(self, need: int, keys: mx.array, values: mx.array) -> None:
+        size = max(1, -(-need // self.step)) * self.step
+        b, heads, _, k_dim = keys.shape
+        new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
+        new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
+        if self.keys is not None and self.offset:
+            new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+            new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+        self.keys, self.values = new_k, new_v
+
+    def reserve(self, rows: int, like: tuple[mx.array, mx.array]) -> None:
+        """Grow to hold ``rows`` now (the warm-up builds kernels for later capacities)."""
+        if self.keys is None or rows > self.keys.shape[2]:
+            self._grow(rows, *like)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if n == 1:
+            return super().make_mask(n, return_array=return_array, window_size=window_size)
+        capacity = max(1, -(-(self.offset + n) // self.step)) * self.step
+        if self.keys is not None:
+            capacity = max(capacity, self.keys.shape[2])
+        return capacity_mask(self.offset, n, capacity, window_size)
+
+
+def stabilize(cache: list, policy: ShapePolicy | None) -> list:
+    """``cache`` with every plain ``KVCache`` replaced by a ``StableKVCache`` under ``policy``.
+    Unchanged when the policy is off or the model mixes in other cache kinds (rotating windows,
+    recurrent state): one mask is shared by many layers, so all of them must agree."""
+    if policy is None or not cache or any(type(c) is not KVCache or not c.empty() for c in cache):
+        return cache
+    return [StableKVCache(policy.step) for _ in cache]

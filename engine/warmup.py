@@ -1,0 +1,100 @@
+"""Warm-up at load time: run once every shape a session will use, before the first request.
+
+A GPU backend compiles a kernel (MLX CUDA: a cuDNN attention graph, a matmul plan, a fused
+elementwise kernel) the first time it sees a shape. Under the shape policy
+(``engine/shapes.py``) a session only ever uses a few: the verify ladder's widths and one-row
+steps at each KV capacity, and each block drafter's block at each of its capacities. This runs
+all of them for the capacities up to ``tokens`` context tokens (KV buffers reserved, not
+filled: kernels depend on shapes, not values), then a short generation per mode for everything
+else. Without a shape policy (CPU, Metal) only the short generations run.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from engine.protocols import EngineLike
+from engine.shapes import StableKVCache
+
+WARM_TOKENS = 4096  # context the shapes are prepared for (later capacities compile on first use)
+Progress = Callable[[int, int, str], None]
+
+
+def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens: int = WARM_TOKENS,
+            progress: Progress | None = None, generate: Callable[[str], object] | None = None) -> float:
+    """Prepare ``modes`` on ``engine``; returns the seconds it took. ``generate(mode)`` runs a
+    short generation of a mode (the Engine passes its own)."""
+    t0 = time.perf_counter()
+    target = engine.target
+    drafters = {m: engine.drafter(m) for m in modes if m != "baseline"}
+    policy = target.shapes
+    capacities = list(range(policy.step, max(tokens, policy.step) + 1, policy.step)) if policy else []
+    widest = max([d.max_draft + 1 for d in drafters.values() if d is not None] + [1])
+    widths = [w for w in (policy.widths if policy else ()) if w <= policy.pad(widest)]
+    block_drafters = [d for d in {id(d): d for d in drafters.values()}.values() if hasattr(getattr(
+        d, "model_drafter", d), "reserve")]
+    total = len(capacities) * (len(widths) + len(block_drafters)) + len(modes)
+    done = 0
+
+    def tick(stage: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, stage)
+
+    forwards = target.forwards
+    try:
+        for capacity in capacities:
+            _target_shapes(target, capacity, widths, lambda: tick(f"target shapes at {capacity} tokens"))
+            for drafter in block_drafters:
+                _drafter_shapes(target, getattr(drafter, "model_drafter", drafter), capacity)
+                tick(f"drafter shapes at {capacity} tokens")
+    finally:
+        target.forwards = forwards  # warm-up forwards are not generation work
+    for mode in modes:
+        if generate is not None:
+            generate(mode)
+        tick(f"{mode} warm-up generation")
+    return time.perf_counter() - t0
+
+
+def _prompt(target, n: int = 8) -> list[int]:
+    vocab = max(2, target.vocab_size)
+    return [(7 * i + 3) % vocab for i in range(n)]
+
+
+def _reserve(cache: list, capacity: int) -> None:
+    for c in cache:
+        if isinstance(c, StableKVCache):
+            c.reserve(capacity, (c.keys, c.values))
+
+
+def _target_shapes(target, capacity: int, widths: Sequence[int], tick: Callable[[], None]) -> None:
+    """A forward at each ladder width (and a one-row step) on a cache of ``capacity`` rows."""
+    ids = _prompt(target, max(8, max(widths, default=1)))
+    cache = target.new_cache()
+    target.prefill(ids[:4], cache)
+    _reserve(cache, capacity)
+    for w in widths:
+        logits, _, txn = target.verify(mx.array([ids[:w]], dtype=mx.uint32), cache)
+        mx.eval(logits)
+        txn.commit(1 if w == 1 else 0)  # a one-row step keeps its row (the capacity stays)
+        tick()
+
+
+def _drafter_shapes(target, drafter, capacity: int) -> None:
+    """One proposal with the drafter's context buffers at ``capacity`` rows."""
+    from engine.sampling import Sampler, SamplingParams
+
+    ids = _prompt(target)
+    if drafter.tap_layers:
+        target.set_taps(drafter.tap_layers)
+    _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=bool(drafter.tap_layers))
+    drafter.begin(ids[:-1], hidden)
+    drafter.reserve(capacity)
+    draft = drafter.propose(ids, drafter.max_draft, Sampler(SamplingParams()))
+    if draft is not None:
+        mx.eval(draft.tokens)
