@@ -3,12 +3,13 @@
 Three layers; imports point down only (``tests/test_layout.py`` checks it):
 
 * core: ``target`` (the model wrapper: taps, forward, prefill), ``caches`` (cache transactions),
-  ``recurrent`` (rewinding recurrent state), ``sampling``, ``speculative`` (the one verify loop),
-  ``detokenize``, ``drafters/`` (one small class per drafter behind ``drafters.base.Drafter``), and
-  model loading (``loading``, ``gguf``, ``starter``);
+  ``recurrent`` (rewinding recurrent state), ``shapes`` (stable attention/verify shapes on CUDA),
+  ``sampling``, ``speculative`` (the one verify loop), ``detokenize``, ``drafters/`` (one small class
+  per drafter behind ``drafters.base.Drafter``), and model loading (``loading``, ``gguf``, ``starter``);
 * orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``modes``, ``registry``,
-  ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``roofline``, ``benchmark``,
-  ``doctor``, ``options`` (the loading flags every front end shares) and ``api`` (the Python API);
+  ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``warmup``, ``roofline``,
+  ``benchmark`` + ``prompts`` (the shipped prompt sets), ``doctor``, ``options`` (the loading flags
+  every front end shares) and ``api`` (the Python API);
 * front ends: ``cli/`` (the ``tandem`` command), ``serve/`` (the local API server), ``train/``
   (``tandem train-drafter``); the desktop app (``app/``) sits beside them.
 

@@ -103,14 +103,16 @@ def decode(
     stats: DecodeStats | None = None,
     mode: str = "",
     prefill_progress: Callable[[int, int], None] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
     EOS is never yielded; a stop inside an accepted block truncates the block. The caller may
     stop iterating at any time (stop strings, cancel); nothing needs cleaning up. ``clock``:
-    the time source for events and the cap policy (tests drive a cost model through it).
+    the time source for events and the cap policy (default ``time.perf_counter``; tests drive
+    a cost model through it).
     """
+    clock = clock or time.perf_counter
     stats = stats if stats is not None else DecodeStats()
     cap_policy = cap_policy or FixedCap(drafter.max_draft if drafter else 0)
     eos = set(int(e) for e in eos_ids)

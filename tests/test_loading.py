@@ -179,6 +179,26 @@ def test_quantized_folder_is_made_dense_float32_on_cpu(quantized_folder):
     assert mx.array_equal(dense.model.model.layers[0].mlp.up_proj.weight, want)
 
 
+def test_dtype_flag_casts_floats_and_keeps_quantized_weights(quantized_folder, capsys):
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from engine.calibrate import model_precision
+    from engine.cli import main
+
+    kept = loading.load_model(str(quantized_folder), dense=False, dtype="bfloat16")
+    q = kept.model.model.layers[0].mlp.up_proj
+    assert isinstance(q, nn.QuantizedLinear) and q.weight.dtype == mx.uint32 and q.scales.dtype == mx.bfloat16
+    assert kept.dtype == "bfloat16" and model_precision(kept.model) == "q8g32/bfloat16"
+    dense = loading.load_model(str(quantized_folder), dense=True, dtype="float16")
+    assert (dense.dtype, dense.quantized) == ("float16", False)
+    with pytest.raises(TandemError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        loading.load_model(str(quantized_folder), dtype="int8")
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(quantized_folder), "--dtype", "int8", "--prompt", "x"])
+    assert "--dtype: invalid choice: 'int8'" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- built-in models
 
 

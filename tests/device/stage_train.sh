@@ -56,13 +56,26 @@ rm -f .devC/run/train.log
 # well (a large tree, e.g. once the shipped drafter is in it) goes to .devD, one more call.
 rm -rf .devD
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
-room() { echo $(( LIMIT - tree - MARGIN - $(du -cb "$1" | tail -1 | cut -f1) )); }
+# Room a call has left for its GGUF part, never below 0 (a large tree leaves none; .devD can
+# take at most one call's room on its own).
+room() { local r=$(( LIMIT - tree - MARGIN - $(du -cb "$1" | tail -1 | cut -f1) )); echo $(( r > 0 ? r : 0 )); }
 xzf=.stage-cache/starter.gguf.xz
-r1=$(room .devA); r2=$(room .devB); r3=$(( $(room .devC) - 8192 ))
-python3 - "$xzf" "$r1" "$r2" "$r3" <<'EOP'
+r1=$(room .devA); r2=$(room .devB); r3=$(room .devC); r3=$(( r3 > 8192 ? r3 - 8192 : 0 ))
+rd=$(( LIMIT - tree - MARGIN - 8192 )); rd=$(( rd > 0 ? rd : 0 ))
+for d in .devA .devB; do
+  if [ $(( tree + $(du -cb $d | tail -1 | cut -f1) )) -ge "$LIMIT" ]; then
+    echo "stage_train: the working tree ($(( tree / 1048576 )) MiB) and $d ($(du -sh $d | cut -f1)) exceed one call's 64 MiB;" \
+         "shrink the tree (untracked files count) or stage with tests/device/stage_parts.py" >&2
+    exit 1
+  fi
+done
+python3 - "$xzf" "$r1" "$r2" "$r3" "$rd" <<'EOP'
 import os, sys
-data, a, b, c = open(sys.argv[1], "rb").read(), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+data, a, b, c, room_d = open(sys.argv[1], "rb").read(), *map(int, sys.argv[2:6])
 d = max(0, len(data) - a - b - c)  # overflow for .devD
+if d > room_d:
+    sys.exit(f"stage_train: the compressed GGUF ({len(data) >> 20} MiB) does not fit in the room the calls leave beside "
+             f"the tree ({(a + b + c + room_d) >> 20} MiB over four calls); shrink the tree")
 parts = [(".devA/g.aa", data[:a]), (".devB/g.ab", data[a:a + b]), (".devC/g.ac", data[a + b + d:])]
 if d:
     os.makedirs(".devD", exist_ok=True)

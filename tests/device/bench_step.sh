@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call of the staged speed benchmark (tests/device/stage_bench.sh stages the calls and
+# prints them): bash tests/device/bench_step.sh .benchN
+#
+# Keeps this call's parts in $KEEP (the machine keeps files between back-to-back calls while it
+# stays warm), assembles every file whose parts are complete (sha256 checked), installs the
+# wheels once they all are (MLX CUDA, mlx-lm, gguf), then runs the call's action:
+#   keep      nothing more
+#   random8b  tests/device/bench_device.py random8b (Qwen3-8B shapes, random weights, bf16 + 4-bit)
+#   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16)
+# Results land in $OUT (JSON + logs). DRY=1: a CPU dry run here (KEEP/SITE/WORK/OUT under a temp
+# folder, the local Python, toy sizes).
+set -uo pipefail
+dir=${1:?usage: bench_step.sh .benchN}
+KEEP=${KEEP:-/root/keep}; SITE=${SITE:-/root/site}; WORK=${WORK:-/root/work}; OUT=${OUT:-$WORK/out}
+PY=${PYTHON:-python3}
+mkdir -p "$KEEP" "$SITE" "$WORK" "$OUT"
+export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=$WORK/cache
+t0=$SECONDS
+say() { echo "[$(date +%H:%M:%S) +$((SECONDS - t0))s] $*"; }
+
+manifest=$dir/manifest.json
+action=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['action'])" "$manifest") || exit 3
+say "call $("$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print(m['call'], 'of', m['calls'])" "$manifest"): $action"
+"$PY" tests/device/stage_parts.py keep "$dir" "$KEEP" || exit 3
+
+wheels=$(ls "$KEEP"/*.whl 2>/dev/null | wc -l)
+want=$("$PY" -c "import json,sys; print(sum(n.endswith('.whl') for n in json.load(open(sys.argv[1]))['files']))" "$manifest")
+if [ "$wheels" -gt 0 ] && [ "$wheels" = "$want" ] && [ ! -e "$KEEP/.installed" ]; then
+  say "installing $wheels wheels into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$KEEP"/*.whl || exit 4
+  touch "$KEEP/.installed"
+fi
+export PYTHONPATH=$SITE:$PWD
+"$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 5
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+
+tiny=()
+[ "${DRY:-0}" = 1 ] && tiny=(--tiny --trials 1 --max-new-tokens 12 --prompts-per-class 1)
+run() { "$PY" tests/device/bench_device.py "$@" "${tiny[@]}" --out "$OUT" 2>&1 | tee -a "$OUT/$1.log"; }
+
+case "$action" in
+  *random8b*) say "random 8B-shaped targets"; run random8b --budget "${BUDGET_8B:-240}" ;;
+esac
+case "$action" in
+  *starter*)
+    gguf=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
+    if [ ! -s "$gguf" ]; then
+      say "decompressing the starter GGUF"
+      "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+        "$KEEP/starter.gguf.xz" "$gguf" || exit 6
+    fi
+    say "starter benchmarks"
+    run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-420}" ${STARTER_ARGS:-} ;;
+esac
+say "done; files in $OUT:"; ls -la "$OUT"

@@ -1,0 +1,343 @@
+"""Speed where users run it, on tiny targets and a modeled clock (never by timing):
+
+* ``--max-draft auto`` parks a slow drafter within a few rounds, runs pipelined plain steps
+  parked, probes rarely, unparks when acceptance rises, and keeps speculating when it pays;
+* a seeded sampled auto run is reproducible whatever the clock says;
+* stable shapes (engine/shapes.py, forced on the CPU): padded verifies and capacity-shaped
+  attention leave outputs and caches exactly as without them, and after the warm-up a
+  generation meets no shape the warm-up did not run;
+* the calibrator's confidence cut follows the cost curves.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import calibrate as C
+from engine import cost_model as M
+from engine.drafters.base import Draft, Drafter
+from engine.sampling import Sampler, SamplingParams
+from engine.shapes import ShapePolicy, StableKVCache, capacity_mask
+from engine.speculative import DecodeStats, FixedCap, decode
+from tests.tiny import make_tiny_engine
+
+PROMPT = [5, 9, 14, 3, 22, 7, 30, 11]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    return make_tiny_engine("qwen3", seed=2, scale=4.0)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def reference(eng, n: int = 160) -> list[int]:
+    return [t for out, _ in decode(eng.target, None, PROMPT, Sampler(SamplingParams()), max_new_tokens=n) for t in out]
+
+
+class Oracle(Drafter):
+    """Proposes the target's own greedy continuation (all accepted) or, before ``right_from``
+    generated tokens, the same tokens shifted by one (the first is always rejected)."""
+
+    name = "oracle"
+
+    def __init__(self, ref: list[int], right_from: int = 0, max_draft: int = 8):
+        self.ref, self.right_from, self.max_draft = ref, right_from, max_draft
+
+    def propose(self, ids, cap, sampler):
+        g = len(ids) - len(PROMPT)
+        tokens = self.ref[g : g + cap]
+        if not tokens:
+            return None
+        if g < self.right_from:
+            tokens = [(t + 1) % 96 for t in tokens]
+        return Draft(mx.array(tokens, dtype=mx.uint32))
+
+
+class CostClock:
+    """Time that moves only by modeled costs: each target forward (a pipelined plain step costs
+    ``step``, any other forward ``verify(width)``) and each proposal (``draft``), in ms."""
+
+    def __init__(self, target, drafter, step: float, verify, draft: float):
+        self.now, self.step, self.verify, self.draft = 0.0, step, verify, draft
+        self.plain_steps = 0
+        forward, propose = target.forward, drafter.propose
+
+        def timed_forward(ids, cache, **kw):
+            plain = kw.get("last_only") and ids.shape[1] == 1
+            self.plain_steps += bool(plain)
+            self.now += (self.step if plain else self.verify(ids.shape[1])) / 1000.0
+            return forward(ids, cache, **kw)
+
+        def timed_propose(ids, cap, sampler):
+            self.now += self.draft / 1000.0
+            return propose(ids, cap, sampler)
+
+        target.forward, drafter.propose = timed_forward, timed_propose
+        self._restore = lambda: (setattr(target, "forward", forward), delattr(drafter, "propose"))
+
+    def __call__(self) -> float:
+        return self.now
+
+    def close(self) -> None:
+        self._restore()
+
+
+def run_auto(eng, drafter, ctrl, clock, n: int = 160, sampler=None):
+    stats = DecodeStats()
+    try:
+        tokens = [t for out, _ in decode(eng.target, drafter, PROMPT, sampler or Sampler(SamplingParams()),
+                                         max_new_tokens=n, cap_policy=ctrl, stats=stats, clock=clock) for t in out]
+    finally:
+        clock.close()
+    return tokens, stats
+
+
+def optimistic_cal() -> M.Calibration:
+    """Curves that promise speculation pays: flat verify, a free drafter."""
+    return M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0)
+
+
+# ------------------------------------------------------------------ the controller in the loop
+def test_a_slow_drafter_parks_within_a_few_rounds_and_runs_pipelined_plain_steps(eng):
+    ref = reference(eng)
+    drafter = Oracle(ref, right_from=10 ** 6)  # every first draft rejected: one token per round
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.5, draft=3.0)  # a round: 4.5 ms
+    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock)
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert caps[:3] == [0, 0, 0]  # warm plain steps: the plain step at this context, timed
+    spec = [i for i, c in enumerate(caps) if c > 0]
+    assert spec and ctrl.state.parked
+    rounds_before_parking = sum(1 for c in caps[3 : caps.index(0, 3)] if c > 0)
+    assert rounds_before_parking <= ctrl.min_rounds + ctrl.repick_every  # whatever the curves promised
+    probes = [c for c in caps[caps.index(0, 3):] if c > 0]
+    assert probes and all(1 <= c <= M.PROBE_CAP for c in probes)
+    assert len(probes) <= 4  # rare: gaps 16, 32, 64, ... plain steps
+    gaps = np.diff([i for i, c in enumerate(caps) if c > 0 and i > caps.index(0, 3)])
+    assert all(b >= a for a, b in zip(gaps, gaps[1:]))  # the gap grows after each failed probe
+    # parked, the loop ran long pipelined runs (one cap() per run, not per token)
+    assert clock.plain_steps >= 0.8 * caps.count(0) and len(ctrl.history) < 0.3 * len(caps)
+    modeled_ms = clock.now * 1000.0
+    assert modeled_ms < 1.15 * len(ref) * 1.0  # within 15% of all-plain (1 ms a token), probes included
+
+
+def test_a_drafter_that_pays_keeps_speculating(eng):
+    ref = reference(eng)
+    drafter = Oracle(ref)  # every draft accepted
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5)
+    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
+                                                   draft=lambda c: 0.5), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock)
+    assert tokens == ref and not ctrl.state.parked
+    assert sum(1 for c in stats.caps[4:] if c == 0) <= 1  # only the last token is plain
+    assert clock.now * 1000.0 < 0.4 * len(ref)  # several tokens per ~2 ms round vs 1 ms a token
+
+
+def test_a_parked_controller_unparks_when_acceptance_rises(eng):
+    ref = reference(eng, 400)
+    drafter = Oracle(ref, right_from=60)
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5)
+    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
+                                                   draft=lambda c: 0.5), drafter.max_draft)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock, n=400)
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert 0 in caps[:60]  # wrong drafts: parked early on
+    assert not ctrl.state.parked and caps[-20:-1].count(0) == 0  # right drafts: speculating again
+    assert max(caps[-20:]) > M.PROBE_CAP
+
+
+def test_plain_runs_hand_back_the_exact_round_state(eng):
+    """Rounds and plain runs interleave at every length and the output is still baseline's."""
+    ref = reference(eng)
+    drafter = Oracle(ref, right_from=0)
+
+    class Alternating:
+        def __init__(self):
+            self.rng, self.last = random.Random(3), 0
+
+        def cap(self):
+            self.last = self.rng.choice([0, 0, 1, 3, 8])
+            return self.last
+
+        def plain_run(self):
+            return self.rng.choice([1, 2, 5])
+
+        def observe(self, drafted, accepted, seconds):
+            pass
+
+    stats = DecodeStats()
+    tokens = [t for out, _ in decode(eng.target, drafter, PROMPT, Sampler(SamplingParams()), max_new_tokens=160,
+                                     cap_policy=Alternating(), stats=stats) for t in out]
+    assert tokens == ref and 0 in stats.caps[1:] and max(stats.caps) == 8
+
+
+def test_seeded_auto_runs_are_reproducible_whatever_the_clock(eng, cache_dir):
+    from engine.drafters.lookup import LookupDrafter
+
+    C.calibrate(eng, "lookup", LookupDrafter(), passes=1, overhead_rounds=3, context=64)  # cached for both runs
+    sampler = lambda: Sampler(SamplingParams(temperature=0.9, seed=11))  # noqa: E731
+    copy = PROMPT * 4
+    runs = {}
+    for seeded in (True, False):
+        for name, verify in (("fast", lambda w: 0.5), ("slow", lambda w: 40.0)):
+            drafter = LookupDrafter()
+            ctrl = C.auto_cap_policy(eng, "lookup", drafter, seeded=seeded)
+            clock = CostClock(eng.target, drafter, step=1.0, verify=verify, draft=0.0)
+            stats = DecodeStats()
+            try:
+                tokens = [t for out, _ in decode(eng.target, drafter, copy, sampler(), max_new_tokens=120,
+                                                 cap_policy=ctrl, stats=stats, clock=clock) for t in out]
+            finally:
+                clock.close()
+            runs[seeded, name] = (tokens, stats.caps)
+    assert runs[True, "fast"] == runs[True, "slow"]  # same caps, same sampled tokens
+    assert runs[False, "fast"][1] != runs[False, "slow"][1]  # live timings move the unseeded caps: the test has power
+
+
+def test_seeded_generation_through_the_engine_is_reproducible(eng, cache_dir, monkeypatch):
+    import time as _time
+
+    rng = random.Random(0)
+    real = _time.perf_counter
+    monkeypatch.setattr(_time, "perf_counter", lambda: real() + rng.random() * 0.05)  # a jittery clock
+    kw = dict(mode="lookup", max_draft="auto", max_new_tokens=40, temperature=0.8, seed=5)
+    first = eng.generate(PROMPT * 3, **kw)
+    second = eng.generate(PROMPT * 3, **kw)
+    assert first.token_ids == second.token_ids and first.caps == second.caps
+
+
+# ------------------------------------------------------------------ stable shapes
+def test_stable_cache_forwards_match_the_plain_cache_and_roll_back_exactly(eng):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = eng.model
+    plain, stable = make_prompt_cache(model), [StableKVCache(16) for _ in model.layers]
+    ids = mx.array([[3, 8, 2, 9, 4, 7, 1, 5, 6, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]])
+    for chunk in (ids[:, :7], ids[:, 7:8], ids[:, 8:13], ids[:, 13:21]):  # growth past one 16-row step
+        want, got = model(chunk, cache=plain), model(chunk, cache=stable)
+        assert np.allclose(np.array(got), np.array(want), atol=1e-4)
+    assert stable[0].keys.shape[2] == 32 and stable[0].offset == plain[0].offset == 21
+    for c in plain + stable:
+        c.trim(6)  # rejected drafts and padding
+    for chunk in (ids[:, 15:16], ids[:, 2:6]):
+        want, got = model(chunk, cache=plain), model(chunk, cache=stable)
+        assert np.allclose(np.array(got), np.array(want), atol=1e-4)
+    assert np.array_equal(np.array(stable[0].keys[..., : stable[0].offset, :]),
+                          np.array(plain[0].keys[..., : plain[0].offset, :]))
+    mask = capacity_mask(3, 2, 8)
+    assert mask.tolist() == [[True] * 4 + [False] * 4, [True] * 5 + [False] * 3]
+    window = capacity_mask(5, 1, 8, window=2)
+    assert window.tolist() == [[False] * 4 + [True] * 2 + [False] * 2]
+
+
+@pytest.mark.parametrize("kind", ["lookup", "dspark"])
+def test_padded_verifies_are_lossless_and_use_ladder_widths_only(kind, tmp_path):
+    from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
+
+    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
+    if kind == "dspark":
+        cfg, w = dspark_checkpoint(target_config_of(eng.model), markov_rank=16, taps=[0, 1, 2])
+        copy_target_head(w, eng.model)
+        eng.drafter_path = str(write(tmp_path / "d", cfg, w))
+    copy = PROMPT * 3
+    base = eng.generate(copy, mode="baseline", max_new_tokens=60)
+    eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    assert eng.target.shapes is not None and isinstance(eng.target.new_cache()[0], StableKVCache)
+    widths = []
+    forward = eng.target.forward
+    eng.target.forward = lambda ids, cache, **kw: widths.append(ids.shape[1]) or forward(ids, cache, **kw)
+    try:
+        res = eng.generate(copy, mode=kind, max_new_tokens=60, max_draft=5)
+    finally:
+        eng.target.forward = forward
+    assert res.token_ids == base.token_ids
+    verifies = set(widths) - {len(copy)}  # all but the prefill
+    assert res.drafted > 0 and verifies <= {1, 2, 4, 8} and verifies & {4, 8}
+    if kind == "dspark":  # the drafter's attention sees its whole context buffer, masked
+        drafter = eng.drafter("dspark")
+        assert all(kv.stable and kv.keys.shape[2] % 16 == 0 for kv in drafter._caches)
+
+
+def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
+    from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
+
+    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
+    cfg, w = dspark_checkpoint(target_config_of(eng.model), markov_rank=16, taps=[0, 1, 2])
+    copy_target_head(w, eng.model)
+    eng.drafter_path = str(write(tmp_path / "d", cfg, w))
+    eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    shapes: set = set()
+    forward = eng.target.forward
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def record(q, k, v, **kw):  # every attention call: (query rows, key rows)
+        shapes.add((q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    mx.fast.scaled_dot_product_attention = record
+    try:
+        seen = []
+        eng.warm_up(["lookup", "dspark"], tokens=48, progress=lambda d, t, s: seen.append((d, t)))
+        assert seen[-1][0] == seen[-1][1]
+        warm = set(shapes)
+        shapes.clear()
+        eng.generate(PROMPT * 2, mode="dspark", max_new_tokens=24, max_draft=5)
+        eng.generate(PROMPT * 2, mode="lookup", max_new_tokens=24, max_draft=7)
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+        eng.target.forward = forward
+    # Multi-row attention (verifies, drafter blocks) must all have been warmed. Prefill chunks go
+    # by prompt length, and one-row steps see a slice that MLX serves from shape-stable kernels
+    # (CUDA: a vector kernel, or cuDNN keyed on the buffer's capacity).
+    decode_shapes = {s for s in shapes if 1 < s[0] <= 8}
+    assert decode_shapes and decode_shapes <= warm
+    assert {k for _, k in decode_shapes} <= {16, 32, 48}  # key rows: buffer capacities only
+
+
+# ------------------------------------------------------------------ the calibrated confidence cut
+def test_the_confidence_cut_follows_the_cost_curves():
+    rng = random.Random(5)
+    trace = []
+    for _ in range(400):  # scores that predict acceptance: each slot survives with its score
+        conf = [rng.uniform(0.05, 0.95) for _ in range(7)]
+        accepted = 0
+        while accepted < 7 and rng.random() < conf[accepted]:
+            accepted += 1
+        trace.append((conf, accepted))
+    flat = M.Calibration.synthetic(lambda w: 10.0, 7, draft=lambda c: 2.0)  # a GPU: wide verifies cost nothing
+    steep = M.Calibration.synthetic(lambda w: 10.0 * w, 7, draft=lambda c: 2.0)  # quantized CPU matmul
+    rule, threshold, table = C.tune_cut(flat, trace, ("slot", 0.3))
+    assert threshold <= 0.2 and table["none"] >= max(table.values()) / 1.011  # longer drafts are nearly free
+    rule2, threshold2, table2 = C.tune_cut(steep, trace, ("slot", None))
+    assert threshold2 >= 0.5  # every kept slot costs a full row: only confident ones pay
+    assert table2[f"{rule2}@{threshold2:g}"] == max(table2.values())
+    assert set(table) == {f"{r}@{t:g}" for r in ("slot", "product") for t in C.CUT_THRESHOLDS} | {"none"}
+
+
+def test_calibration_traces_a_real_drafter_and_hands_it_the_cut(cache_dir, tmp_path):
+    from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
+
+    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
+    cfg, w = dspark_checkpoint(target_config_of(eng.model), markov_rank=16, taps=[0, 1, 2])
+    copy_target_head(w, eng.model)
+    w["confidence_head.proj.bias"] = np.array([0.5], dtype=np.float32)
+    eng.drafter_path = str(write(tmp_path / "d", cfg, w))
+    drafter = eng.drafter("dspark")
+    assert drafter.cfg.confidence_head and drafter.calibrated is None
+    trace = C.confidence_trace(eng, drafter, ["w5 w9 w14 w3", "w22 w7 w30"], max_new_tokens=16)
+    assert trace and all(len(conf) == 7 and 0 <= acc <= 7 for conf, acc in trace)
+    cal = C.calibrate(eng, "dspark", drafter, passes=1, overhead_rounds=3, context=64)
+    assert cal.confidence_rule in ("slot", "product") and cal.confidence_threshold is not None
+    assert drafter.calibrated == (cal.confidence_rule, cal.confidence_threshold) and drafter.trace is None
+    assert "confidence cut" in C.format_report(cal)
