@@ -59,6 +59,21 @@ def parse_max_draft(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--max-draft takes an integer or 'auto', got '{value}'")
 
 
+def warm_up(engine: "Engine", modes: list[str]) -> "Engine":
+    """Where a backend compiles per shape (CUDA), compile the shapes ``modes`` will use now, with a
+    progress bar on stderr; elsewhere nothing to do. Returns the engine."""
+    if engine.target.shapes is None:
+        return engine
+    from engine.calibrate import tqdm_progress
+
+    progress, close = tqdm_progress("warming up")
+    try:
+        engine.warm_up(modes, progress=progress)
+    finally:
+        close()
+    return engine
+
+
 def load_engine(args: argparse.Namespace) -> "Engine":
     from engine.api import load
 

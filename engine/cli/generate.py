@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from engine.generate import MODES
-from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft
+from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft, warm_up
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     eng = load_engine(args)
     for note in eng.notes:
         print(f"tandem: {note}", file=sys.stderr)
+    warm_up(eng, [args.mode])
     result = None
     for chunk in eng.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, max_draft=args.max_draft,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.errors import TandemError
 from engine.generate import MODES
-from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft
+from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft, warm_up
 from engine.serve.server import ServerConfig, TandemServer
 
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                           top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
                           allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin))
-    server = TandemServer(lambda: load_engine(args), args.host, args.port, api_key, config)
+    server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C
         raise KeyboardInterrupt()

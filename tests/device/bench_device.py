@@ -139,7 +139,7 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
     storm_prompt = prompts[0][1]
     for label, stable in (("storm_exact_shapes", "0"), ("storm_stable_shapes", "default")):
         left = deadline - time.time()
-        if left < 120:
+        if left < 150:
             out[label] = f"skipped: {left:.0f} s left"
             continue
         env_value = stable if stable != "default" else os.environ.get("TANDEM_STABLE_SHAPES", "")
@@ -149,6 +149,9 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
         except Exception as err:
             out[label] = f"{type(err).__name__}: {err}"
             log(out[label])
+    if deadline - time.time() < 90:
+        out["benchmark"] = f"skipped: {deadline - time.time():.0f} s of this dtype's budget left"
+        return out
     eng = load(args.gguf, dtype=dtype)
     if args.tiny:  # a dry run: quick calibrations (cached, so the benchmark reuses them)
         from engine.calibrate import calibrate
@@ -280,9 +283,12 @@ def main() -> int:
         if not args.gguf or not Path(args.gguf).is_file():
             log(f"no starter GGUF at {args.gguf!r}")
             return 2
-        for dtype in args.dtypes.split(","):
+        dtypes = args.dtypes.split(",")
+        start = time.time()
+        for i, dtype in enumerate(dtypes):  # each dtype gets its share of the call's budget
+            share = start + args.budget * (i + 1) / len(dtypes)
             saver = Saver(out_dir / f"bench-starter-{dtype}.json")
-            saver.attempt("starter", lambda: starter_part(args, dtype, deadline), deadline)
+            saver.attempt("starter", lambda: starter_part(args, dtype, share), share)
     else:
         saver = Saver(out_dir / "bench-random8b.json")
         for bits in (int(b) for b in args.bits.split(",")):
