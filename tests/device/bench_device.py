@@ -263,7 +263,7 @@ def main() -> int:
     ap.add_argument("--bits", default="16,4", help="random8b: 16 (bf16) and/or quantized bits")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--prompts-per-class", type=int, default=3)
+    ap.add_argument("--prompts-per-class", type=int, default=2)
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
@@ -291,9 +291,12 @@ def main() -> int:
             saver.attempt("starter", lambda: starter_part(args, dtype, share), share)
     else:
         saver = Saver(out_dir / "bench-random8b.json")
-        for bits in (int(b) for b in args.bits.split(",")):
+        bits_list = [int(b) for b in args.bits.split(",")]
+        start = time.time()
+        for i, bits in enumerate(bits_list):  # each precision gets its share of the budget
+            share = start + args.budget * (i + 1) / len(bits_list)
             saver.attempt(f"qwen3-8b-{'bf16' if bits >= 16 else f'q{bits}'}",
-                          lambda: random8b_part(args, None if bits >= 16 else bits, deadline), deadline)
+                          lambda: random8b_part(args, None if bits >= 16 else bits, share), share)
             mx.clear_cache()
     log("done")
     return 0

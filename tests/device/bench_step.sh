@@ -40,7 +40,7 @@ tiny=()
 run() { "$PY" tests/device/bench_device.py "$@" "${tiny[@]}" --out "$OUT" 2>&1 | tee -a "$OUT/$1.log"; }
 
 case "$action" in
-  *random8b*) say "random 8B-shaped targets"; run random8b --budget "${BUDGET_8B:-240}" ;;
+  *random8b*) say "random 8B-shaped targets"; run random8b --budget "${BUDGET_8B:-200}" ;;
 esac
 case "$action" in
   *starter*)
@@ -51,6 +51,6 @@ case "$action" in
         "$KEEP/starter.gguf.xz" "$gguf" || exit 6
     fi
     say "starter benchmarks"
-    run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-420}" ${STARTER_ARGS:-} ;;
+    run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-} ;;
 esac
 say "done; files in $OUT:"; ls -la "$OUT"
