@@ -293,8 +293,8 @@ class CapController:
       fewer tokens per second than plain steps do: whatever the model believes, a speculating
       controller that loses to plain steps parks within a few rounds. Parked, the loop runs
       pipelined plain steps; a probe at a cheap cap follows every ``probe_gap`` of them (the
-      gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``, and halves after an
-      accepted one).
+      gap doubles after a rejected or empty probe, up to ``MAX_PROBE_GAP``, and halves after
+      an accepted one).
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -449,9 +449,9 @@ class CapController:
             self._probing = False
             self._since_probe = 0
             self._repick()
-            if st.parked:  # a rejected probe: look again later; an accepted one: sooner
-                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if accepted < drafted else \
-                    max(PROBE_GAP, st.probe_gap // 2)
+            if st.parked:  # a rejected (or empty) probe: look again later; an accepted one: sooner
+                failed = drafted == 0 or accepted < drafted
+                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if failed else max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1
         if self._since_repick >= self.repick_every:

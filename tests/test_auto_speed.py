@@ -131,6 +131,21 @@ def test_a_slow_drafter_parks_within_a_few_rounds_and_runs_pipelined_plain_steps
     assert modeled_ms < 1.15 * len(ref) * 1.0  # within 15% of all-plain (1 ms a token), probes included
 
 
+def test_a_drafter_with_nothing_to_propose_parks_where_a_plain_round_costs_a_sync(eng):
+    """n-gram lookup on chat on a GPU: most rounds find no match and become one unpipelined
+    step, which costs a host sync that pipelined plain steps hide."""
+    ref = reference(eng)
+    drafter = Oracle(ref)
+    drafter.propose = lambda ids, cap, sampler: None
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.4, draft=0.02)
+    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock)
+    assert tokens == ref and ctrl.state.parked
+    assert sum(1 for c in stats.caps[1:] if c > 0) <= ctrl.min_rounds + ctrl.repick_every + 3  # + rare probes
+    assert ctrl.state.probe_gap > M.PROBE_GAP  # empty probes count as failed: probing slows down
+    assert clock.now * 1000.0 < 1.05 * len(ref)  # within 5% of plain steps throughout
+
+
 def test_a_drafter_that_pays_keeps_speculating(eng):
     ref = reference(eng)
     drafter = Oracle(ref)  # every draft accepted
