@@ -15,8 +15,8 @@ committed token that has not been fed to the target, exactly the state a round s
 A round whose drafter has nothing to propose is one plain (unpipelined) step.
 
 Under a shape policy (``engine/shapes.py``, CUDA) a verify is padded to the next ladder width
-with filler rows after the drafts; their logits are never read and their cache rows are trimmed
-with the rejected drafts.
+with filler rows after the drafts; their logits are never read and the verify's commit drops
+their rows with the rejected drafts.
 
 Round times (``CapPolicy.observe``) are wall time from one emitted round to the next, so a
 plain step and a round are priced alike, including the consumer's share between them.
