@@ -98,6 +98,7 @@ class Target:
         self._sink = _TapSink()
         self.forwards = 0  # target forward passes, for telemetry
         self.kv_bits: int | None = None  # full-attention layers' K/V quantized to these bits
+        self.shapes: ShapePolicy | None = None  # stable attention/verify shapes (engine/shapes.py), set last
         fresh = make_prompt_cache(model)
         self._blocker = caches.blocker(fresh)
         self.recorder = None
@@ -115,7 +116,6 @@ class Target:
         self.vocab_size = int(reference.shape[-1])
         if self.recorder is not None:
             self._blocker = self._prove_rollback()
-        self.shapes: ShapePolicy | None = None  # stable attention/verify shapes (engine/shapes.py)
         self.set_shapes(default_policy() if shapes == "default" else shapes)
 
     # -- construction helpers -------------------------------------------------------------
