@@ -232,6 +232,7 @@ class LearnedState:
     cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
     plain: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed (steps, ms) of plain steps
     realized: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds, tokens, ms since unparking
+    probes: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # decayed probes, their tokens, ms
     probe_gap: int = PROBE_GAP
 
     def shrink(self, factor: float = 0.5) -> None:
@@ -244,6 +245,8 @@ class LearnedState:
         self.cost = [x * factor for x in self.cost]
         self.plain = [x * factor for x in self.plain]
         self.realized = [x * factor for x in self.realized]
+        self.probes = [x * factor for x in self.probes]
+        self.probe_gap = PROBE_GAP  # new content: a parked controller looks again soon
 
 
 def _bucket(position: int) -> int:
@@ -293,8 +296,9 @@ class CapController:
       fewer tokens per second than plain steps do: whatever the model believes, a speculating
       controller that loses to plain steps parks within a few rounds. Parked, the loop runs
       pipelined plain steps; a probe at a cheap cap follows every ``probe_gap`` of them (the
-      gap doubles after a rejected or empty probe, up to ``MAX_PROBE_GAP``, and halves after
-      an accepted one).
+      gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``, and halves after an accepted
+      one; each request starts with a probe). It unparks when the model, or the realized rate
+      of the probes themselves, beats plain steps.
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -332,6 +336,8 @@ class CapController:
             self.state.cost = [0.0] * 5
         self._since_repick = 0
         self._since_probe = 0  # plain steps since parking or the last probe
+        if self.state.parked:  # a parked request probes right after its warm plain steps
+            self._since_probe = self.state.probe_gap
         self._probing = False
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
@@ -440,6 +446,7 @@ class CapController:
         st.rounds += 1
         self._learn_length(min(drafted, cap), cap)
         self._learn_acceptance(drafted, accepted)
+        ms = 0.0
         if not self.seeded and seconds > 0:
             ms = self._learn_cost(min(drafted, cap), cap, seconds * 1000.0)
             keep = 1.0 - self.realized_decay
@@ -448,10 +455,14 @@ class CapController:
         if self._probing:
             self._probing = False
             self._since_probe = 0
+            if not self.seeded and seconds > 0:
+                keep = 1.0 - 0.3
+                n, t, total = st.probes
+                st.probes = [n * keep + 1.0, t * keep + accepted + 1.0, total * keep + ms]
             self._repick()
-            if st.parked:  # a rejected (or empty) probe: look again later; an accepted one: sooner
-                failed = drafted == 0 or accepted < drafted
-                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if failed else max(PROBE_GAP, st.probe_gap // 2)
+            if st.parked and drafted:  # a rejected probe: look again later; an accepted one: sooner
+                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if accepted < drafted else \
+                    max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1
         if self._since_repick >= self.repick_every:
@@ -499,13 +510,17 @@ class CapController:
 
     def _park(self) -> None:
         st = self.state
-        st.parked = True
+        st.parked, st.probes = True, [0.0, 0.0, 0.0]
         self._since_probe = 0
 
     def _repick(self) -> None:
         st = self.state
         rates = self.rates()
         current = 0 if st.parked else int(st.cap)
+        if st.parked and not self.seeded and st.probes[0] >= 2 and \
+                1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis:
+            self._unpark(max(1, _argmax(rates, allow_park=False)))  # even cheap probes beat plain steps
+            return
         realized = None if st.parked or self.seeded else self.realized_rate()
         if realized is not None:
             short = st.realized[0] < 4 * PROBE_GAP  # a spell that soon lost again: probe less often
@@ -519,7 +534,13 @@ class CapController:
         if rates[best] > rates[current] * self.hysteresis:
             if best == 0:
                 self._park()
+            elif st.parked:
+                self._unpark(best)
             else:
-                if st.parked:
-                    st.realized = [0.0, 0.0, 0.0]  # a new spell of rounds: judge it afresh
-                st.parked, st.cap = False, best
+                st.cap = best
+
+    def _unpark(self, cap: int) -> None:
+        st = self.state
+        st.parked, st.cap = False, cap
+        st.realized = [0.0, 0.0, 0.0]  # a new spell of rounds: judged afresh
+        st.probes = [0.0, 0.0, 0.0]
