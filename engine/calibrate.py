@@ -133,14 +133,19 @@ def model_precision(model: Any) -> str:
     return "/".join(sorted(quant) + [dense])
 
 
-def _shape_signature(model: Any) -> str:
-    """Hash of parameter shapes and dtypes: costs depend on these, not on the values."""
+def _shape_signature(model: Any, taps: Sequence[int] = ()) -> str:
+    """Hash of parameter shapes and dtypes: costs depend on these, not on the values. ``taps``:
+    layers wrapped by the target's tap proxies, hashed under their own names (a tap costs
+    nothing, and the key must not change when a drafter installs one)."""
     import hashlib
 
     from mlx.utils import tree_flatten
 
+    wrapped = tuple(f"layers.{i}.layer." for i in taps)
     h = hashlib.sha256()
     for path, value in tree_flatten(model.parameters()):
+        for w in wrapped:
+            path = path.replace(w, w[: -len("layer.")])
         h.update(f"{path}:{tuple(value.shape)}:{value.dtype};".encode())
     return h.hexdigest()[:10]
 
@@ -149,7 +154,7 @@ def _target_id(engine: EngineLike) -> str:
     loaded = getattr(engine, "loaded", None)
     path = getattr(loaded, "path", None)
     base = Path(str(path)).name if path else engine.name
-    return f"{base}#{_shape_signature(engine.target.model)}"
+    return f"{base}#{_shape_signature(engine.target.model, engine.target.tap_layers)}"
 
 
 def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:

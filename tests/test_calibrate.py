@@ -117,6 +117,9 @@ def test_cache_key_changes_with_every_field(tiny_llama, monkeypatch):
     assert key(context=256) != base
     assert key(engine=make_tiny_engine(hidden=32)) != base  # other shapes, other costs
     assert key(engine=make_tiny_engine(seed=5)) == base  # same shapes and dtypes: same costs
+    tapped = make_tiny_engine(seed=5)
+    tapped.target.set_taps([0, 2])
+    assert key(engine=tapped) == base  # a drafter's tap proxies change no cost: the same calibration
     bf16 = make_tiny_engine()
     bf16.model.set_dtype(mx.bfloat16)
     assert "bfloat16" in C.key_fields(bf16, "lookup", drafter)["precision"]
