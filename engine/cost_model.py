@@ -517,7 +517,7 @@ class CapController:
         st = self.state
         rates = self.rates()
         current = 0 if st.parked else int(st.cap)
-        if st.parked and not self.seeded and st.probes[0] >= 2 and \
+        if st.parked and not self.seeded and st.probes[0] > 0 and \
                 1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis:
             self._unpark(max(1, _argmax(rates, allow_park=False)))  # even cheap probes beat plain steps
             return
