@@ -32,6 +32,7 @@ PRIOR_P = 0.65  # the controller's starting acceptance
 PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
 PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
 MAX_PROBE_GAP = 256
+CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park the controller early
 
 
 # ===================================================================== the calibration record
@@ -292,13 +293,14 @@ class CapController:
       runs) are timed on their own: cap 0 is priced at the realized plain step.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
       ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds,
-      and forced when the rounds since the last unparking (at least ``min_rounds``) realized
-      fewer tokens per second than plain steps do: whatever the model believes, a speculating
-      controller that loses to plain steps parks within a few rounds. Parked, the loop runs
-      pipelined plain steps; a probe at a cheap cap follows every ``probe_gap`` of them (the
-      gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``, and halves after an accepted
-      one; each request starts with a probe). It unparks when the model, or the realized rate
-      of the probes themselves, beats plain steps.
+      and forced when the rounds since the last unparking realized fewer tokens per second than
+      plain steps do (after ``min_rounds`` rounds; after half as many when they lost by more
+      than ``CLEAR_LOSS``): whatever the model believes, a speculating controller that loses to
+      plain steps parks within a few rounds. Parked, the loop runs pipelined plain steps; a
+      probe at a cheap cap follows every ``probe_gap`` of them (the gap doubles after a rejected
+      probe, up to ``MAX_PROBE_GAP``, and halves after an accepted one; each request starts with
+      a probe). It unparks when the model, or the realized rate of the probes themselves, beats
+      plain steps.
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -312,7 +314,7 @@ class CapController:
 
     def __init__(self, cal: Calibration, max_cap: int | None = None, *, state: LearnedState | None = None,
                  seeded: bool = False, alpha: float = 0.02, prior_weight: float = 4.0, decay: float = 0.03,
-                 repick_every: int = 4, hysteresis: float = 1.03, park_after: int = 8, min_rounds: int = 4,
+                 repick_every: int = 4, hysteresis: float = 1.03, park_after: int = 8, min_rounds: int = 8,
                  warm_plain: int = 0, cost_decay: float = 0.01, cost_prior: float = 0.5, position_prior: float = 4.0,
                  position_decay: float = 0.01, plain_decay: float = 0.05, plain_prior: float = 2.0,
                  realized_decay: float = 0.1):
@@ -389,7 +391,7 @@ class CapController:
     def realized_rate(self) -> float | None:
         """Tokens per ms realized by the rounds since the last unparking (None: too few)."""
         rounds, tokens, ms = self.state.realized
-        return tokens / ms if rounds >= self.min_rounds and ms > 0 else None
+        return tokens / ms if rounds >= self.min_rounds // 2 and ms > 0 else None
 
     def corrected(self) -> Calibration | _Corrected:
         if self.seeded:
@@ -524,7 +526,9 @@ class CapController:
         realized = None if st.parked or self.seeded else self.realized_rate()
         if realized is not None:
             short = st.realized[0] < 4 * PROBE_GAP  # a spell that soon lost again: probe less often
-            if realized * 1000.0 * self.hysteresis < rates[0]:
+            # a clear loss parks after min_rounds / 2 rounds; a close one needs min_rounds (noise)
+            margin = self.hysteresis if st.realized[0] >= self.min_rounds else CLEAR_LOSS
+            if realized * 1000.0 * margin < rates[0]:
                 self._park()  # the rounds themselves lost to plain steps
                 st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if short else PROBE_GAP
                 return
