@@ -203,3 +203,38 @@ def memory_bytes() -> int:
         if limit.isdigit() and 0 < int(limit) < total:
             total = int(limit)
     return total
+
+
+def available_memory_bytes() -> int:
+    """Memory this process could still take without swapping: MemAvailable on Linux (within a
+    cgroup limit), free + inactive pages on macOS; half the total when neither can be read."""
+    total = memory_bytes()
+    free = 0
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        free = int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/sys/fs/cgroup/memory.max") as f:
+                limit = f.read().strip()
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read().strip())
+            if limit.isdigit():
+                free = min(free or total, max(0, int(limit) - used))
+        except (OSError, ValueError):
+            pass
+    elif sys.platform == "darwin":
+        try:
+            out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+            page = int(out.split("page size of")[1].split()[0]) if "page size of" in out else 4096
+            pages = {k.strip(): int(v.strip().rstrip(".")) for k, v in
+                     (line.split(":", 1) for line in out.splitlines()[1:] if ":" in line) if v.strip().rstrip(".").isdigit()}
+            free = page * sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages speculative"))
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    return free if free > 0 else total // 2

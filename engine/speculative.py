@@ -10,6 +10,10 @@ would have left. A round always commits at least one token.
 With no drafter (baseline) or no proposal, a round is one plain target step. Baseline steps are
 pipelined the way ``mlx_lm.generate`` does it: the next forward is queued before the current
 token is read back, so the host never waits on the device between tokens.
+
+A sequence may start from a ``Resume`` (a prefix cache hit: the target's caches already hold the
+prompt's first tokens) and prefill only the rest. ``DecodeStats`` says at every yield which
+tokens the target's caches hold, so the caller can keep them for the next prompt.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
-from engine.drafters.base import Drafter
+from engine.drafters.base import Drafter, DrafterState
 from engine.sampling import Sampler, accept_greedy, accept_sampled
 from engine.target import Target
 
@@ -63,12 +67,30 @@ class FixedCap:
 
 
 @dataclass
+class Resume:
+    """Start after a restored prefix instead of token 0."""
+
+    cache: list  # the target's caches holding the prompt's first ``cached`` tokens (the loop writes them)
+    cached: int
+    logits: mx.array | None = None  # the row after those tokens: needed when they are the whole prompt
+    drafter_state: DrafterState | None = None  # for ``Drafter.resume``
+
+
+@dataclass
 class DecodeStats:
     prefill_s: float = 0.0
     prompt_tokens: int = 0
     rounds: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
     target_forwards: int = 0
     finish_reason: str = "length"
+    cached_tokens: int = 0  # prompt tokens restored instead of prefilled
+    # What the target's caches hold at each yield: the first ``cache_len`` tokens of ``ids``
+    # (prompt + committed). ``drafter_ready``: the drafter has seen the sequence (its state is this one's).
+    ids: list[int] = field(default_factory=list)
+    cache: list | None = None
+    cache_len: int = 0
+    prompt_logits: mx.array | None = None  # the row after the prompt
+    drafter_ready: bool = False
 
 
 def decode(
@@ -83,11 +105,15 @@ def decode(
     stats: DecodeStats | None = None,
     mode: str = "",
     prefill_progress: Callable[[int, int], None] | None = None,
+    resume: Resume | None = None,
+    on_prefill: Callable[[int, list], None] | None = None,
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
     EOS is never yielded; a stop inside an accepted block truncates the block. The caller may
     stop iterating at any time (stop strings, cancel); nothing needs cleaning up.
+    ``on_prefill(n, cache)``: called when the caches hold the prompt's first n tokens (after a
+    restore, after each prefill chunk), before anything else is written to them.
     """
     stats = stats if stats is not None else DecodeStats()
     cap_policy = cap_policy or FixedCap(drafter.max_draft if drafter else 0)
@@ -99,10 +125,26 @@ def decode(
     stats.prompt_tokens = len(prompt_ids)
 
     t0 = time.perf_counter()
-    cache = target.new_cache()
-    logits, hidden = target.prefill(prompt_ids, cache, tap=tap, progress=prefill_progress)
+    cached = resume.cached if resume is not None else 0
+    cache = resume.cache if resume is not None else target.new_cache()
+    stats.cache, stats.cached_tokens, stats.ids = cache, cached, list(prompt_ids)
+
+    def prefilled(done: int, total: int) -> None:
+        stats.cache_len = cached + done
+        if on_prefill is not None:
+            on_prefill(stats.cache_len, cache)
+        if prefill_progress is not None:
+            prefill_progress(done, total)
+
+    prefilled(0, len(prompt_ids) - cached)
+    if cached < len(prompt_ids):
+        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached)
+    else:  # the whole prompt was restored, with the row after it
+        logits, hidden = resume.logits, None
+    stats.prompt_logits = logits
     first = sampler.pick(logits)
-    ids = list(prompt_ids) + [first.item()]
+    ids = stats.ids
+    ids.append(first.item())
     stats.prefill_s = time.perf_counter() - t0
     t_start = time.perf_counter()
     generated = 0
@@ -135,10 +177,14 @@ def decode(
         return
 
     if drafter is None:
-        yield from _pipelined_steps(target, cache, first, sampler, emit)
+        yield from _pipelined_steps(target, cache, first, sampler, emit, stats)
         return
 
-    drafter.begin(prompt_ids, hidden)
+    if cached:
+        drafter.resume(prompt_ids, cached, resume.drafter_state, hidden)
+    else:
+        drafter.begin(prompt_ids, hidden)
+    stats.drafter_ready = True
     while True:
         remaining = max_new_tokens - generated
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
@@ -159,6 +205,7 @@ def decode(
         txn.commit(n + 1)
         t_end = time.perf_counter()
         ids.extend(committed)
+        stats.cache_len = len(ids) - 1  # all but the new anchor
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
         cap_policy.observe(k, n, t_end - t_round)
         out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
@@ -168,9 +215,11 @@ def decode(
             return
 
 
-def _pipelined_steps(target: Target, cache: list, first: mx.array, sampler: Sampler, emit) -> Iterator:
+def _pipelined_steps(target: Target, cache: list, first: mx.array, sampler: Sampler, emit,
+                     stats: DecodeStats) -> Iterator:
     """Plain decoding with the next forward queued before the current token is read.
-    ``first`` was already emitted by the caller; each step queues the forward after ``y``."""
+    ``first`` was already emitted by the caller; each step queues the forward after ``y``,
+    so the caches hold every token read so far."""
 
     def queue_next(y: mx.array) -> mx.array:
         logits, _ = target.forward(y.reshape(1, 1).astype(mx.uint32), cache, last_only=True)
@@ -179,9 +228,13 @@ def _pipelined_steps(target: Target, cache: list, first: mx.array, sampler: Samp
         return nxt
 
     y = queue_next(first)
+    stats.cache_len = len(stats.ids)  # ids ends with first
     while True:
         next_y = queue_next(y)
-        out, event, done = emit([y.item()], 0, 0, 0)
+        token = y.item()
+        stats.ids.append(token)
+        stats.cache_len = len(stats.ids)
+        out, event, done = emit([token], 0, 0, 0)
         yield out, event
         if done:
             return

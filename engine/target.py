@@ -246,20 +246,26 @@ class Target:
         return logits[0], hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
-                progress: Any = None) -> tuple[mx.array, mx.array | None]:
+                progress: Any = None, offset: int = 0) -> tuple[mx.array, mx.array | None]:
         """Run the prompt through the target in chunks (bounded memory). Returns the last
-        row's logits [V] and, when tapping, hidden states for every prompt row."""
+        row's logits [V] and, when tapping, hidden states for every prompt row.
+
+        ``offset``: tokens ``cache`` already holds (a restored prefix). Chunks end at multiples of
+        ``chunk`` counted from token 0: after a restored prefix, chunk boundaries fall where a
+        prefill from token 0 puts them."""
         ids = list(ids)
         hiddens = []
         logits = None
-        for start in range(0, len(ids), chunk):
-            part = mx.array([ids[start : start + chunk]])
+        first = min(len(ids), chunk - offset % chunk)
+        bounds = [0] + list(range(first, len(ids), chunk)) + [len(ids)]
+        for start, end in zip(bounds, bounds[1:]):
+            part = mx.array([ids[start:end]])
             logits, hidden = self.forward(part, cache, last_only=True, tap=tap)
             if hidden is not None:
                 hiddens.append(hidden)
             mx.eval(logits, *(c.state for c in cache if hasattr(c, "state")), *(hiddens[-1:] if hiddens else []))
             if progress is not None:
-                progress(min(start + chunk, len(ids)), len(ids))
+                progress(end, len(ids))
         hidden = mx.concatenate(hiddens, axis=0) if hiddens else None
         return logits[-1], hidden
 
