@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import re
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ MEMORY_FRACTION = 0.25  # of the memory available when the engine starts
 MIN_MEMORY_BYTES = 64 << 20
 MAX_MEMORY_BYTES = 32 << 30
 APPEND_ONLY = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")  # trimmable back to any prefix
+_TAPPED = re.compile(r"(layers\.\d+)\.layer\.")
 
 
 # ----------------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ def fingerprint(module: Any) -> str:
     h = hashlib.sha256()
     samples = []
     for name, p in sorted(tree_flatten(module.parameters()), key=lambda kv: kv[0]):
+        name = _TAPPED.sub(r"\1.", name)  # a tapped layer (engine.target.TapLayer) is the same layer
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         flat = p.reshape(-1)
         n = flat.size

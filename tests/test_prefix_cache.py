@@ -1,0 +1,414 @@
+"""The prefix cache: a prompt that starts like an earlier sequence restores its state and prefills
+only the rest, in every mode, with the same output as a prefill from token 0; the disk tier
+survives a restart and refuses what it did not write; memory stays within its budget; the server
+reports cached tokens in both dialects."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import anthropic
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+
+from engine.api import Session
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.generate import Engine
+from engine.prefix_cache import PrefixCache, common_prefix
+from engine.serve.chat_format import render_chat
+from engine.serve.server import make_server
+from tests.lossless import assert_same_greedy
+from tests.test_block_drafters import write_dflash, write_dspark
+from tests.tiny import make_tiny_engine, make_tiny_model, make_tokenizer
+
+EOS = 0
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}assistant{% endif %}")
+MODES = ["baseline", "lookup", "draft", "dspark", "dflash", "lookup-first"]
+
+
+def engine_for(mode: str, tmp_path, arch: str = "llama") -> tuple[Engine, str]:
+    """A tiny engine set up for ``mode``; returns (engine, the mode name to ask for)."""
+    engine = make_tiny_engine(arch, seed=6, scale=4.0)
+    if mode == "draft":
+        engine.set_drafter("draft", DraftModelDrafter(make_tiny_model(arch, seed=9), max_draft=3))
+    elif mode in ("dspark", "lookup-first"):
+        engine.drafter_path = str(write_dspark(tmp_path / "dspark", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0))
+        engine.lookup_first = mode == "lookup-first"
+        return engine, "dspark"
+    elif mode == "dflash":
+        engine.drafter_path = str(write_dflash(tmp_path / "dflash", engine, layers=2, taps=[1, 2]))
+    return engine, mode
+
+
+def rows_counter(engine: Engine) -> list[int]:
+    """Count the rows every target forward runs over."""
+    rows: list[int] = []
+    forward = engine.target.forward
+
+    def counted(ids, cache, **kw):
+        rows.append(int(ids.shape[1]))
+        return forward(ids, cache, **kw)
+
+    engine.target.forward = counted
+    return rows
+
+
+def user(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(2, 96, size=n)]
+
+
+def check(engine: Engine, mode: str, prompt: list[int], n: int = 16, **kw):
+    """Generate with the prefix cache; the same prompt prefilled from token 0 must give the same
+    tokens (greedy: or differ at a floating-point tie, proved by its margin; restored rows were
+    computed in forwards of other widths, which may change their last bits)."""
+    warm = engine.generate(prompt, mode=mode, max_new_tokens=n, **kw)
+    cold = engine.generate(prompt, mode=mode, max_new_tokens=n, prefix_cache=False, **kw)
+    label = f"{mode} with {warm.cached_tokens} of {len(prompt)} tokens restored"
+    if kw.get("temperature"):
+        assert warm.token_ids == cold.token_ids, label
+    else:
+        assert_same_greedy(engine.model, prompt, cold.token_ids, warm.token_ids, label)
+    assert cold.cached_tokens == 0
+    return warm
+
+
+# ----------------------------------------------------------------------------------------
+# Same output, fewer forwards, in every mode
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_turn_conversations_give_the_same_greedy_output(tmp_path, mode):
+    engine, ask = engine_for(mode, tmp_path)
+    p1 = user(1, 40) + user(1, 12)  # a repeat: lookup has something to draft
+    r1 = check(engine, ask, p1)
+    assert r1.cached_tokens == 0
+    p2 = p1 + r1.token_ids + [EOS] + user(2, 9)
+    r2 = check(engine, ask, p2)
+    assert r2.cached_tokens >= len(p1) + len(r1.token_ids) - 1  # everything the target had computed
+    p3 = p2 + r2.token_ids + [EOS] + user(3, 7)
+    r3 = check(engine, ask, p3)
+    assert r3.cached_tokens >= len(p2) + len(r2.token_ids) - 1
+    inside = p1 + r1.token_ids[: len(r1.token_ids) // 2] + user(4, 5)  # ends inside an earlier answer
+    assert check(engine, ask, inside).cached_tokens == len(p1) + len(r1.token_ids) // 2
+    edited = p3[:20] + user(5, 3) + p3[23:]  # the first message edited in the middle
+    assert check(engine, ask, edited).cached_tokens == 20
+    again = check(engine, ask, p3)  # regenerate: the whole prompt is stored, with the row after it
+    assert again.cached_tokens == len(p3) and again.token_ids == r3.token_ids
+    if mode != "baseline":
+        assert r2.drafted > 0
+
+
+@pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "lookup-first"])
+def test_a_resumed_drafter_holds_what_begin_would_build(tmp_path, mode):
+    """After turn 2 the drafter's state (context K/V rows, the draft model's cache) over the prompt
+    equals, to rounding, the state of a run that prefilled from token 0."""
+    engine, ask = engine_for(mode, tmp_path)
+    p1 = user(30, 40)
+    r1 = engine.generate(p1, mode=ask, max_new_tokens=10)
+    p2 = p1 + r1.token_ids + [EOS] + user(31, 8)
+
+    def prompt_rows(prefix_cache: bool) -> list[np.ndarray]:
+        result = engine.generate(p2, mode=ask, max_new_tokens=10, prefix_cache=prefix_cache)
+        assert (result.cached_tokens > len(p1)) == prefix_cache
+        state = engine.drafter(ask).state()
+        kv = state.tree["cache"] if isinstance(state.tree, dict) else state.tree
+        return [np.array(layer[0][..., : len(p2) - 1, :]) for layer in kv]
+
+    warm, cold = prompt_rows(True), prompt_rows(False)
+    assert all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(warm, cold))
+
+
+def test_the_second_turn_runs_the_target_over_the_new_tokens_only(tmp_path):
+    engine, _ = engine_for("dspark", tmp_path)
+    rows = rows_counter(engine)
+    p1 = user(7, 60)
+    r1 = engine.generate(p1, mode="dspark", max_new_tokens=12)
+    p2 = p1 + r1.token_ids + [EOS] + user(8, 10)
+    rows.clear()
+    r2 = engine.generate(p2, mode="dspark", max_new_tokens=12)
+    stored = len(p1) + len(r1.token_ids) - (0 if r1.finish_reason == "stop" else 1)  # the last anchor is not cached
+    assert r2.cached_tokens == stored
+    decode_rows = sum(d + 1 for d, _ in r2.rounds[1:])  # each verify: the anchor and its drafts
+    assert sum(rows) == len(p2) - stored + decode_rows
+    rows.clear()
+    engine.generate(p2, mode="dspark", max_new_tokens=12, prefix_cache=False)
+    assert sum(rows) >= len(p2)  # without the cache the whole prompt is prefilled
+
+
+def test_prefill_chunks_keep_their_boundaries_after_a_restore(tmp_path):
+    """Prompts over several prefill chunks; after a restore inside a chunk, the next chunks end
+    where a prefill from token 0 ends them (multiples of 512)."""
+    engine, ask = engine_for("dflash", tmp_path)
+    long = user(9, 700)
+    r1 = check(engine, ask, long, n=8)
+    p2 = long + r1.token_ids + [EOS] + user(10, 900)
+    rows = rows_counter(engine)
+    r2 = engine.generate(p2, mode=ask, max_new_tokens=8)
+    start = r2.cached_tokens
+    assert start >= len(long) and start % 512
+    prefill = rows[: len(rows) - (len(r2.rounds) - 1)]  # the rest are verify forwards
+    assert list(np.cumsum(prefill) + start) == [1024, 1536, len(p2)] and len(p2) > 1536
+
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark"])
+def test_seeded_sampling_gives_the_same_tokens(tmp_path, mode):
+    engine, ask = engine_for(mode, tmp_path)
+    p1 = user(11, 30)
+    kw = dict(temperature=1.0, top_p=0.95, seed=3)
+    r1 = check(engine, ask, p1, n=20, **kw)
+    p2 = p1 + r1.token_ids + [EOS] + user(12, 6)
+    r2 = check(engine, ask, p2, n=20, **kw)
+    assert r2.cached_tokens > len(p1)
+
+
+@pytest.mark.parametrize("family", ["sliding-window", "recurrent"])
+def test_caches_that_cannot_be_cut_back_restore_at_marks(family):
+    """Baseline on a sliding-window (gemma3: wrapped windows) and a hybrid recurrent target (lfm2):
+    turn 2 restores the end of turn 1; an edit of turn 2's message restores the mark there."""
+    engine = Engine(_gemma3() if family == "sliding-window" else _lfm2(), make_tokenizer(), name=family)
+    kinds = {type(c).__name__ for c in engine.target.new_cache()}
+    assert kinds & {"RotatingKVCache", "ArraysCache"}
+    p1 = user(13, 30)
+    r1 = check(engine, "baseline", p1, n=14)
+    p2 = p1 + r1.token_ids + [EOS] + user(14, 8)
+    r2 = check(engine, "baseline", p2, n=14)
+    end1 = len(p1) + len(r1.token_ids) + (1 if r1.finish_reason == "stop" else 0)  # baseline feeds the EOS too
+    assert r2.cached_tokens == min(end1, len(p2) - 1)
+    edited = p2[: len(p2) - 8] + user(15, 8)
+    assert check(engine, "baseline", edited, n=14).cached_tokens == r2.cached_tokens
+    middle = p1[:10] + user(16, 20)  # no mark before the edit: prefilled from token 0, same output
+    check(engine, "baseline", middle, n=14)
+
+
+def _gemma3():
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(2)
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                 vocab_size=96, sliding_window=8, sliding_window_pattern=2)
+    model = gemma3_text.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _lfm2():
+    from mlx_lm.models import lfm2
+
+    mx.random.seed(2)
+    args = lfm2.ModelArgs(model_type="lfm2", vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False,
+                          conv_L_cache=3, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=None,
+                          block_auto_adjust_ff_dim=False, block_ff_dim=128, full_attn_idxs=[1, 3])
+    model = lfm2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+# ----------------------------------------------------------------------------------------
+# The store: entries never change, memory stays in budget
+# ----------------------------------------------------------------------------------------
+def test_a_stored_entry_is_never_written_by_a_later_generation():
+    engine = make_tiny_engine("llama", seed=6, scale=4.0)
+    p1 = user(17, 50)
+    engine.generate(p1, mode="baseline", max_new_tokens=10)
+    (entry,) = list(engine.prefix_cache.entries())
+    before = [np.array(a) for a in _arrays(entry.final)]
+    # Diverge inside the stored tokens: the restored caches are trimmed and written in place.
+    engine.generate(p1[:30] + user(18, 5), mode="lookup", max_new_tokens=10)
+    engine.generate(p1[:40] + user(19, 5), mode="baseline", max_new_tokens=10)
+    assert entry in list(engine.prefix_cache.entries())
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, _arrays(entry.final)))
+
+
+def _arrays(tree):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
+
+
+def test_memory_stays_within_its_budget_under_distinct_prompts():
+    engine = make_tiny_engine("llama", seed=6)
+    budget = 400_000
+    engine.prefix_cache = PrefixCache(budget)
+    for i in range(12):
+        engine.generate(user(100 + i, 60), mode="baseline", max_new_tokens=8)
+        assert 0 < engine.prefix_cache.nbytes <= budget
+    assert engine.prefix_cache.evictions > 0 and len(engine.prefix_cache) < 12
+    engine.clear_prefix_cache()
+    assert len(engine.prefix_cache) == 0
+
+
+def test_an_entry_extending_another_absorbs_it():
+    engine = make_tiny_engine("llama", seed=6)
+    p1 = user(20, 30)
+    r1 = engine.generate(p1, mode="lookup", max_new_tokens=8)
+    engine.generate(p1 + r1.token_ids + [EOS] + user(21, 5), mode="lookup", max_new_tokens=8)
+    (entry,) = list(engine.prefix_cache.entries())
+    assert len(p1) in entry.logits  # turn 1's prompt can still be regenerated with no forward
+    assert engine.generate(p1, mode="lookup", max_new_tokens=8).cached_tokens == len(p1)
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0
+    a = list(range(5000))
+    assert common_prefix(a, a[:3000] + [-1] + a[3001:]) == 3000
+
+
+# ----------------------------------------------------------------------------------------
+# The disk tier
+# ----------------------------------------------------------------------------------------
+def disk_engine(root, seed: int = 6, dtype=None) -> Engine:
+    model = make_tiny_model("llama", seed=seed, scale=4.0)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    engine = Engine(model, make_tokenizer(), name="tiny")
+    engine.prefix_cache = PrefixCache(disk_dir=root, min_disk_tokens=1)
+    return engine
+
+
+def files(root) -> list:
+    return sorted(p for p in root.rglob("*.safetensors") if not p.name.startswith("."))
+
+
+def test_the_disk_tier_survives_a_restart(tmp_path):
+    path = write_dspark(tmp_path / "drafter", make_tiny_engine("llama", seed=6, scale=4.0), layers=2, taps=[0, 1, 2],
+                        markov_scale=10.0)
+    tmp_path = tmp_path / "prefix"
+    first = disk_engine(tmp_path)
+    first.drafter_path = str(path)
+    p1 = user(22, 80)
+    r1 = first.generate(p1, mode="dspark", max_new_tokens=12)
+    assert len(files(tmp_path)) == 1
+    second = disk_engine(tmp_path)  # a restart: new engine, new store, same folder
+    second.drafter_path = str(path)
+    second.target.set_taps(second.drafter("dspark").tap_layers)  # (the tap's probe forward)
+    rows = rows_counter(second)
+    p2 = p1 + r1.token_ids + [EOS] + user(23, 6)
+    r2 = second.generate(p2, mode="dspark", max_new_tokens=12)
+    assert r2.cached_tokens >= len(p1) + len(r1.token_ids) - 1  # with the drafter's context
+    assert r2.token_ids == second.generate(p2, mode="dspark", max_new_tokens=12, prefix_cache=False).token_ids
+    assert rows[0] == len(p2) - r2.cached_tokens
+    assert second.prefix_cache.disk.loads == 1
+    assert len(files(tmp_path)) == 1  # turn 2's entry replaced turn 1's file
+
+
+def test_other_models_and_damaged_files_are_refused_and_removed(tmp_path):
+    a = disk_engine(tmp_path)
+    prompt = user(24, 40)
+    ref = a.generate(prompt + [5], mode="baseline", max_new_tokens=6)
+    (good,) = files(tmp_path)
+    others = [disk_engine(tmp_path, seed=7), disk_engine(tmp_path, dtype=mx.float16)]
+    for other in others:
+        r = other.generate(prompt + [5], mode="baseline", max_new_tokens=6)
+        assert r.cached_tokens == 0  # its own folder: never sees the first model's entries
+    assert len(files(tmp_path)) == 3
+    # A file planted in another model's folder (another precision) is refused when listed, and deleted.
+    planted = others[1].prefix_cache.disk.dir / good.name
+    shutil.copy(good, planted)
+    b = disk_engine(tmp_path, dtype=mx.float16)
+    assert b.generate(prompt + [5], mode="baseline", max_new_tokens=6).cached_tokens == len(prompt) + 1
+    assert not planted.exists() and b.prefix_cache.disk.refused == 1
+
+    backup = good.read_bytes()
+
+    def damaged(edit) -> None:
+        data = bytearray(backup)
+        edit(data)
+        good.write_bytes(bytes(data))
+        fresh = disk_engine(tmp_path)
+        r = fresh.generate(prompt + [5], mode="baseline", max_new_tokens=6)
+        assert r.cached_tokens == 0 and r.token_ids == ref.token_ids
+        assert fresh.prefix_cache.disk.refused == 1
+        assert good.read_bytes() == backup  # deleted, then written again from the cold run
+
+    damaged(lambda d: d.__delitem__(slice(len(d) // 2, None)))  # truncated
+
+    def flip(d: bytearray) -> None:
+        d[-100] ^= 0xFF
+
+    damaged(flip)  # one byte of a tensor flipped
+
+
+def test_the_disk_tier_stays_under_its_cap(tmp_path):
+    engine = disk_engine(tmp_path)
+    engine.prefix_cache.memory_bytes = 0  # every entry goes straight through to disk
+    engine.generate(user(25, 60), mode="baseline", max_new_tokens=4)
+    (one,) = files(tmp_path)
+    engine.prefix_cache.disk.max_bytes = int(one.stat().st_size * 2.5)
+    for i in range(5):
+        engine.generate(user(26 + i, 60), mode="baseline", max_new_tokens=4)
+        assert sum(p.stat().st_size for p in files(tmp_path)) <= engine.prefix_cache.disk.max_bytes
+    assert len(files(tmp_path)) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# Session API and server
+# ----------------------------------------------------------------------------------------
+def chat_engine(seed: int = 6) -> Engine:
+    tok = make_tokenizer()
+    tok._tokenizer.chat_template = CHAT_TEMPLATE
+    return Engine(make_tiny_model("llama", seed=seed, scale=4.0), tok, name="tiny-chat")
+
+
+def test_session_keeps_history_and_reuses_it():
+    engine = chat_engine()
+    chat = Session(engine, system="w5 w6 w7", mode="lookup", max_new_tokens=10)
+    a1 = chat.send("w10 w11 w12 w13")
+    a2 = chat.send("w20 w21")
+    assert a2.cached_tokens >= a1.prompt_tokens
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user", "assistant"]
+    ref = engine.generate(chat.messages[:-1], mode="lookup", max_new_tokens=10, prefix_cache=False)
+    assert ref.token_ids == a2.token_ids
+    again = chat.regenerate()
+    assert again.token_ids == a2.token_ids and again.cached_tokens == again.prompt_tokens
+    edited = chat.edit(1, "w30 w31")  # turn 1's message: turn 0 and its answer are reused
+    assert edited.cached_tokens >= a1.prompt_tokens and len(chat.turns) == 2 and chat.turns[1][0] == "w30 w31"
+    with pytest.raises(Exception):
+        chat.edit(5, "w1")
+    assert len(chat.turns) == 2
+
+
+def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
+    system = " ".join(f"w{2 + i % 90}" for i in range(120))
+    srv = make_server(chat_engine, port=0, mode="lookup").start().wait_ready(60)
+    try:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        ant = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=60)
+        oai.chat.completions.create(model="m", max_tokens=4, messages=[{"role": "system", "content": system},
+                                                                       {"role": "user", "content": "w9"}])
+        out: dict = {}
+
+        def ask_openai() -> None:
+            out["openai"] = oai.chat.completions.create(model="m", max_tokens=8, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": "w40 w41"}])
+
+        def ask_anthropic() -> None:
+            out["anthropic"] = ant.messages.create(model="m", max_tokens=8, system=system,
+                                                   messages=[{"role": "user", "content": "w50 w51"}])
+
+        threads = [threading.Thread(target=ask_openai), threading.Thread(target=ask_anthropic)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        o, a = out["openai"], out["anthropic"]
+        n_system = 120 + 2  # the system words, its role word and the end of the message
+        assert o.usage.prompt_tokens_details.cached_tokens >= n_system
+        assert o.model_extra["x_tandem"]["cached_tokens"] == o.usage.prompt_tokens_details.cached_tokens
+        assert a.usage.cache_read_input_tokens >= n_system
+        assert a.usage.input_tokens + a.usage.cache_read_input_tokens == a.model_extra["x_tandem"]["prompt_tokens"]
+        # Same answers as a prefill from token 0.
+        cold = chat_engine()
+        for reply, user_text in ((o.choices[0].message.content, "w40 w41"), (a.content[0].text, "w50 w51")):
+            _, ids = render_chat(cold.tokenizer, [{"role": "system", "content": system},
+                                                  {"role": "user", "content": user_text}], None)
+            ref = cold.generate(ids, mode="lookup", max_new_tokens=8, prefix_cache=False)
+            assert reply.strip() == ref.text.strip()
+    finally:
+        srv.stop()
