@@ -374,6 +374,19 @@ def test_session_keeps_history_and_reuses_it():
     assert len(chat.turns) == 2
 
 
+def test_multi_turn_benchmark(tmp_path):
+    from engine.benchmark import format_multi_turn, load_conversations, run_multi_turn
+
+    (tmp_path / "mt-bench.jsonl").write_text(
+        '{"turns": ["w5 w6 w7 w8"]}\n{"turns": ["w10 w11 w12", "w13 w14"]}\n{"turns": ["w20 w21", "w22", "w23 w24"]}\n')
+    conversations = load_conversations(5, tmp_path)
+    assert conversations == [["w10 w11 w12", "w13 w14"], ["w20 w21", "w22", "w23 w24"]]
+    report = run_multi_turn(chat_engine(), conversations, ["baseline", "lookup"], trials=1, max_new_tokens=6)
+    for arm in report["arms"].values():
+        assert len(arm["runs"]) == 3 and all(r["cached_tokens"] > 0 and r["same"] for r in arm["runs"])
+    assert report["lossless"] and "warm/cold" in format_multi_turn(report)
+
+
 def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
     system = " ".join(f"w{2 + i % 90}" for i in range(120))
     srv = make_server(chat_engine, port=0, mode="lookup").start().wait_ready(60)

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from engine.benchmark import CLASSES, format_report, load_prompts, make_arms, parse_caps, run_benchmark
+from engine.benchmark import (CLASSES, format_multi_turn, format_report, load_conversations, load_prompts, make_arms,
+                              parse_caps, run_benchmark, run_multi_turn)
 from engine.calibrate import tqdm_progress
 from engine.errors import TandemError
 from engine.generate import MODES
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR "
                                                        "or ../shared/data/prompts next to the repository)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
+                        "time to first token with the earlier turns restored vs prefilled from token 0, per mode")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
     if args.prompts_per_class < 1:
         raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
+    if args.multi_turn:
+        return _multi_turn(args, modes)
     classes = [c.strip() for c in args.classes.split(",") if c.strip()]
     prompts = load_prompts(classes, args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
     caps = parse_caps(args.max_draft)
@@ -51,6 +57,23 @@ def run(args: argparse.Namespace) -> int:
         cal_close()
         close()
     print(format_report(report))
+    return _finish(args, report)
+
+
+def _multi_turn(args: argparse.Namespace, modes: list[str]) -> int:
+    conversations = load_conversations(args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
+    eng = load_engine(args)
+    progress, close = tqdm_progress(f"multi-turn {eng.name}")
+    try:
+        report = run_multi_turn(eng, conversations, modes, trials=args.trials, max_new_tokens=args.max_new_tokens,
+                                progress=progress)
+    finally:
+        close()
+    print(format_multi_turn(report))
+    return _finish(args, report)
+
+
+def _finish(args: argparse.Namespace, report: dict) -> int:
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).expanduser().write_text(json.dumps(report, indent=1))
