@@ -6,7 +6,8 @@ Three layers; imports point down only (``tests/test_layout.py`` checks it):
   ``recurrent`` (rewinding recurrent state), ``sampling``, ``speculative`` (the one verify loop),
   ``detokenize``, ``drafters/`` (one small class per drafter behind ``drafters.base.Drafter``), and
   model loading (``loading``, ``gguf``, ``starter``);
-* orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``modes``, ``registry``,
+* orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``prefix_cache`` +
+  ``prefix_disk`` (stored prompt prefixes, in memory and on disk), ``modes``, ``registry``,
   ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``roofline``, ``benchmark``,
   ``doctor``, ``options`` (the loading flags every front end shares) and ``api`` (the Python API);
 * front ends: ``cli/`` (the ``tandem`` command), ``serve/`` (the local API server), ``train/``

@@ -80,7 +80,8 @@ class GenerationResult:
     def summary(self) -> str:
         return (
             f"{self.generated} tokens | {self.decode_tps:.1f} tok/s decode | prefill {self.prompt_tokens} tok "
-            f"({self.cached_tokens} cached) in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} | accept/round {self.mean_accepted:.2f} "
+            f"({self.cached_tokens} cached) in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} "
+            f"| accept/round {self.mean_accepted:.2f} "
             f"| {self.target_forwards} target forwards | {self.finish_reason}"
             + (f" | {self.note}" if self.note else "")
         )
@@ -139,6 +140,8 @@ class Engine:
     def configure_prefix_cache(self, enabled: bool = True, *, memory_mb: float | None = None,
                                disk_dir: str | None = None, disk_mb: float | None = None) -> None:
         """Memory budget (None: a quarter of the memory available), optional disk tier."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
         self.prefix_cache = None
         if enabled:
             self.prefix_cache = PrefixCache(None if memory_mb is None else int(memory_mb * 2**20), disk_dir=disk_dir,

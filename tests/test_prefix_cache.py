@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import urllib.request
 
 import anthropic
 import mlx.core as mx
@@ -416,6 +417,10 @@ def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
         assert o.model_extra["x_tandem"]["cached_tokens"] == o.usage.prompt_tokens_details.cached_tokens
         assert a.usage.cache_read_input_tokens >= n_system
         assert a.usage.input_tokens + a.usage.cache_read_input_tokens == a.model_extra["x_tandem"]["prompt_tokens"]
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as resp:
+            metrics = resp.read().decode()
+        restored = o.usage.prompt_tokens_details.cached_tokens + a.usage.cache_read_input_tokens
+        assert f"tandem_prompt_tokens_cached_total {restored}" in metrics
         # Same answers as a prefill from token 0.
         cold = chat_engine()
         for reply, user_text in ((o.choices[0].message.content, "w40 w41"), (a.content[0].text, "w50 w51")):
