@@ -302,24 +302,23 @@ class PrefixCache:
         key = self.drafter_key(drafter)
         needs = bool(drafter is not None and drafter.needs_state)
         plan = Plan(prompt, key, mark=any(type(c).__name__ not in APPEND_ONLY for c in target.new_cache()))
-        best, p = None, 0
-        for entry in reversed(self._entries.values()):
-            q = entry.usable(prompt, key, needs)
-            if q > p:
-                best, p = entry, q
+        best, p = self._best(prompt, key, needs)
         if self.disk is not None:
             stub, q = self.disk.best(prompt, key, needs)
-            if stub is not None and q > p:
-                loaded = self.disk.load(stub, target)
-                if loaded is not None:
-                    holder = self._insert(loaded)
-                    q = holder.usable(prompt, key, needs)
-                    if q > p:
-                        best, p = holder, q
+            loaded = self.disk.load(stub, target) if stub is not None and q > p else None
+            if loaded is not None:
+                self._insert(loaded)  # may merge with an entry in memory
+                best, p = self._best(prompt, key, needs)
+                q = loaded.usable(prompt, key, needs)
+                if q > p:  # not kept in memory (no room): restore from it all the same
+                    best, p = loaded, q
         if best is None or p == 0:
             self.misses += 1
             return plan
-        self._entries.move_to_end(self._key_of(best))
+        for k, entry in self._entries.items():
+            if entry is best:
+                self._entries.move_to_end(k)
+                break
         plan.resume, plan.source = self._restore(best, p, target, key), best
         if plan.resume is None:
             self.misses += 1
@@ -328,11 +327,19 @@ class PrefixCache:
         self.restored_tokens += p
         return plan
 
+    def _best(self, prompt: list[int], key: str | None, needs: bool) -> tuple[Entry | None, int]:
+        best, p = None, 0
+        for entry in reversed(self._entries.values()):  # most recent first
+            q = entry.usable(prompt, key, needs)
+            if q > p:
+                best, p = entry, q
+        return best, p
+
     def _restore(self, entry: Entry, p: int, target: Target, key: str | None) -> Resume | None:
         cache = target.new_cache()
         if [type(c).__name__ for c in cache] != entry.classes:
             log.warning("prefix cache: stored cache layout does not match the target's; entry dropped")
-            self._entries.pop(self._key_of(entry), None)
+            self._entries = OrderedDict((k, e) for k, e in self._entries.items() if e is not entry)
             return None
         end = len(entry.tokens)
         for i, c in enumerate(cache):
@@ -380,9 +387,6 @@ class PrefixCache:
                 if k not in entry.drafters and min(state.tokens, p) > 0:
                     entry.drafters[k] = DrafterState(min(state.tokens, p), state.tree)
         return self._insert(entry)
-
-    def _key_of(self, entry: Entry) -> int:
-        return next(k for k, e in self._entries.items() if e is entry)
 
     def _insert(self, entry: Entry) -> Entry:
         for k, other in list(self._entries.items()):

@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+import time
 import uuid
 import zlib
 from array import array
@@ -139,6 +140,14 @@ def read_metadata(path: Path) -> dict[str, str] | None:
         return None
 
 
+def _remove_if_stale(tmp: Path, age_s: float = 3600.0) -> None:
+    try:
+        if time.time() - tmp.stat().st_mtime > age_s:
+            tmp.unlink()
+    except OSError:
+        pass
+
+
 # ----------------------------------------------------------------------------------------
 # The tier
 # ----------------------------------------------------------------------------------------
@@ -163,6 +172,7 @@ class DiskTier:
             if self.dir is not None and self.dir.is_dir():
                 for path in sorted(self.dir.glob("*.safetensors")):
                     if path.name.startswith("."):
+                        _remove_if_stale(path)  # a write that was killed half way
                         continue
                     meta = read_metadata(path)
                     if meta is None or meta.get("format") != FORMAT or meta.get("identity") != self.identity:

@@ -176,6 +176,9 @@ def bench_restart(reps: int) -> dict:
             srv = Server("--prefix-cache-dir", folder)
             try:
                 cold, _ = srv.ask(system, f"Run {rep}: what would you check first?")
+                deadline = time.time() + 120  # the entry is written once the reply is out
+                while not list(Path(folder).rglob("[!.]*.safetensors")) and time.time() < deadline:
+                    time.sleep(0.2)
             finally:
                 srv.stop()
             srv = Server("--prefix-cache-dir", folder)

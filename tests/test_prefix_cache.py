@@ -346,6 +346,11 @@ def test_the_disk_tier_stays_under_its_cap(tmp_path):
         engine.generate(user(26 + i, 60), mode="baseline", max_new_tokens=4)
         assert sum(p.stat().st_size for p in files(tmp_path)) <= engine.prefix_cache.disk.max_bytes
     assert len(files(tmp_path)) == 2
+    # No room in memory at all: a later prompt still restores from disk.
+    later = disk_engine(tmp_path)
+    later.prefix_cache.memory_bytes = 0
+    r = later.generate(user(30, 60) + [7], mode="baseline", max_new_tokens=4)
+    assert r.cached_tokens == 60 and len(later.prefix_cache) == 0
 
 
 # ----------------------------------------------------------------------------------------
