@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from engine import platform
+from engine import platform, prefix_disk
 from engine.drafters.base import Drafter, DrafterState
 from engine.speculative import DecodeStats, Resume
 from engine.target import PREFILL_CHUNK, Target
@@ -244,12 +244,10 @@ class PrefixCache:
 
     def __init__(self, memory_bytes: int | None = None, *, disk_dir: str | Path | None = None,
                  disk_bytes: int | None = None, min_disk_tokens: int | None = None):
-        from engine import prefix_disk
-
         self.memory_bytes = default_memory_bytes() if memory_bytes is None else max(0, int(memory_bytes))
         self.disk = None
         if disk_dir is not None:
-            self.disk = prefix_disk.DiskTier(Path(disk_dir).expanduser(), disk_bytes, min_disk_tokens)
+            self.disk = prefix_disk.DiskTier(Path(disk_dir).expanduser(), Entry, disk_bytes, min_disk_tokens)
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self._next = 0
         self._identity: str | None = None

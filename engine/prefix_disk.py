@@ -33,8 +33,9 @@ from engine.drafters.base import DrafterState
 from engine.gguf import cache_root
 
 if TYPE_CHECKING:
-    from engine.prefix_cache import Entry
     from engine.target import Target
+
+Entry = Any  # engine.prefix_cache.Entry, whose class the store hands to DiskTier (no import cycle)
 
 log = logging.getLogger("tandem.prefix")
 
@@ -109,13 +110,11 @@ def pack(entry: "Entry", identity: str) -> tuple[dict[str, mx.array], dict[str, 
     return arrays, meta
 
 
-def unpack(arrays: dict[str, mx.array] | None, meta: dict[str, str]) -> "Entry":
+def unpack(entry_type: type, arrays: dict[str, mx.array] | None, meta: dict[str, str]) -> "Entry":
     """An entry from a file's metadata, with its arrays (None: a listing with the arrays left out)."""
-    from engine.prefix_cache import Entry
-
     tree = json.loads(meta["tree"])
     fill = (lambda s: _rebuild(s, arrays)) if arrays is not None else (lambda s: None)
-    entry = Entry(decode_tokens(meta["tokens"]), json.loads(meta["classes"]), json.loads(meta["floors"]),
+    entry = entry_type(decode_tokens(meta["tokens"]), json.loads(meta["classes"]), json.loads(meta["floors"]),
                   [fill(s) for s in tree["final"]] if arrays is not None else None)
     entry.marks = {int(p): {int(i): fill(s) for i, s in layers.items()} for p, layers in tree["marks"].items()}
     entry.logits = {int(p): fill(s) for p, s in tree["logits"].items()}
@@ -152,8 +151,9 @@ def _remove_if_stale(tmp: Path, age_s: float = 3600.0) -> None:
 # The tier
 # ----------------------------------------------------------------------------------------
 class DiskTier:
-    def __init__(self, root: Path, max_bytes: int | None = None, min_tokens: int | None = None):
+    def __init__(self, root: Path, entry_type: type, max_bytes: int | None = None, min_tokens: int | None = None):
         self.root = root
+        self.entry_type = entry_type
         self.max_bytes = DEFAULT_DISK_BYTES if max_bytes is None else max(0, int(max_bytes))
         self.min_tokens = MIN_DISK_TOKENS if min_tokens is None else max(1, int(min_tokens))
         self.identity: str | None = None
@@ -179,7 +179,7 @@ class DiskTier:
                         self._refuse(path, "unreadable header or another model's entry")
                         continue
                     try:
-                        stub = unpack(None, meta)
+                        stub = unpack(self.entry_type, None, meta)
                     except (KeyError, ValueError, TypeError):
                         self._refuse(path, "malformed metadata")
                         continue
@@ -219,7 +219,7 @@ class DiskTier:
             if meta.get("format") != FORMAT or meta.get("identity") != self.identity:
                 self._refuse(path, "written for another model, precision or backend")
                 return None
-            entry = unpack(arrays, meta)
+            entry = unpack(self.entry_type, arrays, meta)
         except Exception as e:  # a file that passes the checksum but still does not parse
             self._refuse(path, f"malformed ({type(e).__name__}: {e})")
             return None
@@ -267,7 +267,7 @@ class DiskTier:
             entry.path.unlink(missing_ok=True)
             listing.pop(entry.path, None)
         entry.path = path
-        stub = unpack(None, meta)
+        stub = unpack(self.entry_type, None, meta)
         stub.path = path
         listing[path] = stub
         self.saves += 1
