@@ -15,15 +15,15 @@ it can and prefills only the rest, in every mode (``decode(..., resume=...)``).
   bit-identical to a prefill from token 0 (tests/test_prefix_cache.py checks greedy and seeded
   sampled output). A prompt that is entirely a stored prefix needs the row after it: entries keep
   the logits after each prompt, else the last prompt token is prefilled again.
-* Entries are never written to: they hold new handles on the caches' buffers (``handles``), and
-  MLX copies a buffer that another handle still references instead of writing into it in place.
+* Entries are never written to: they hold snapshots (``caches.snapshot``: new handles on the
+  caches' buffers), and MLX copies a buffer that another handle still references instead of
+  writing into it in place.
 * Memory: entries in LRU order under a byte budget. An entry whose tokens extend another's absorbs
   it (its marks, logits and drafter states stay restorable). Disk (optional): ``prefix_disk``.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import re
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
-from engine import platform, prefix_disk
+from engine import caches, platform, prefix_disk
 from engine.drafters.base import Drafter, DrafterState
 from engine.speculative import DecodeStats, Resume
 from engine.target import PREFILL_CHUNK, Target
@@ -56,41 +56,24 @@ _TAPPED = re.compile(r"(layers\.\d+)\.layer\.")
 # ----------------------------------------------------------------------------------------
 # Cache states
 # ----------------------------------------------------------------------------------------
-def handles(tree: Any) -> Any:
-    """The tree with every array as a new handle on the same buffer: a later in-place write to
-    the live cache (``keys[..., i, :] = x``) rebinds the live handle and, the buffer being
-    referenced here too, copies it instead of writing into it. Costs nothing until then."""
-    return tree_map(lambda x: copy.copy(x) if isinstance(x, mx.array) else x, tree)
-
-
 def arrays_of(tree: Any) -> list[mx.array]:
     return [v for _, v in tree_flatten(tree) if isinstance(v, mx.array)]
 
 
 def floor(cls: str, state: Any, length: int) -> int:
-    """The shortest prefix a cache of class ``cls`` in ``state`` (holding ``length`` tokens) can
-    be cut back to by trimming."""
+    """The shortest prefix a layer cache (a ``caches.leaves`` member) of class ``cls`` in
+    ``state``, holding ``length`` tokens, can be trimmed back to (``caches.trimmable_to``'s rule)."""
     if cls in APPEND_ONLY:
         return 0
     if cls == "RotatingKVCache":  # (keys, values, offset, keep, max_size, idx)
         return 0 if state[2] < state[4] else length  # once wrapped, older rows are gone
     if cls == "ChunkedKVCache":  # (keys, values, offset, chunk_size, start_position)
         return int(state[4])
-    if cls == "CacheList":
-        return max((floor(c, s, length) for s, c in state), default=0)
     return length  # recurrent state (ArraysCache) and anything unknown: only where it stands
 
 
-def _size(cache: Any) -> int | None:
-    """Tokens a cache counts (None when it keeps no count, e.g. recurrent state)."""
-    offset = getattr(cache, "offset", None)
-    if offset is not None:
-        return int(offset)
-    members = getattr(cache, "caches", None)
-    if members:
-        sizes = [s for s in (_size(c) for c in members) if s is not None]
-        return sizes[0] if sizes else None
-    return None
+def layer_classes(cache: list) -> list[str]:
+    return [type(c).__name__ for c in caches.leaves(cache)]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -137,10 +120,11 @@ def _version(dist: str) -> str:
 
 
 def model_identity(target: Target) -> str:
-    """What a stored target state depends on: weights, precision, cache layout, backend, versions."""
-    classes = ",".join(type(c).__name__ for c in target.new_cache())
-    return (f"tandem-prefix-{FORMAT}|weights {fingerprint(target.model)}|caches {classes}|{platform.backend()}"
-            f"|mlx {mx.__version__}|mlx-lm {_version('mlx-lm')}")
+    """What a stored target state depends on: weights, precision, cache layout and K/V bits,
+    backend, versions."""
+    classes = ",".join(layer_classes(target.new_cache()))
+    return (f"tandem-prefix-{FORMAT}|weights {fingerprint(target.model)}|caches {classes} kv-bits {target.kv_bits}"
+            f"|{platform.backend()}|mlx {mx.__version__}|mlx-lm {_version('mlx-lm')}")
 
 
 def default_memory_bytes() -> int:
@@ -158,9 +142,9 @@ class Entry:
     None in place of its arrays (its positions and coverage are known)."""
 
     tokens: list[int]
-    classes: list[str]  # the target's cache classes, layer by layer
-    floors: list[int]  # per layer: the shortest prefix ``final`` can be trimmed back to
-    final: list | None  # per layer: the cache state after all of ``tokens``
+    classes: list[str]  # the target's layer caches (``caches.leaves``), by class
+    floors: list[int]  # per layer cache: the shortest prefix ``final`` can be trimmed back to
+    final: list | None  # ``caches.snapshot`` after all of ``tokens``
     marks: dict[int, dict[int, Any]] = field(default_factory=dict)  # position -> {layer: state there}
     logits: dict[int, Any] = field(default_factory=dict)  # position -> the row predicting the token there
     drafters: dict[str, DrafterState] = field(default_factory=dict)  # drafter key -> its state
@@ -232,7 +216,8 @@ class Plan:
             return
         start = self.resume.cached if self.resume is not None else 0
         if n in (start, len(self.prompt)) or n % MARK_EVERY == 0:
-            self.marks[n] = {i: handles(c.state) for i, c in enumerate(cache) if type(c).__name__ not in APPEND_ONLY}
+            snap = caches.snapshot(cache)
+            self.marks[n] = {i: snap[i] for i, cls in enumerate(layer_classes(cache)) if cls not in APPEND_ONLY}
 
 
 # ----------------------------------------------------------------------------------------
@@ -252,6 +237,7 @@ class PrefixCache:
         self._next = 0
         self._identity: str | None = None
         self._target: Any = None  # weakref to the bound target
+        self._kv_bits: int | None = None  # its K/V bits when bound
         self._keys: dict[int, tuple[Any, str]] = {}  # id(drafter model) -> (weakref, key)
         self.hits = self.misses = self.restored_tokens = self.evictions = 0
 
@@ -273,9 +259,10 @@ class PrefixCache:
 
     def _bind(self, target: Target) -> None:
         bound = self._target() if self._target is not None else None
-        if bound is target:
+        if bound is target and self._kv_bits == target.kv_bits:
             return
         self._entries.clear()
+        self._kv_bits = target.kv_bits
         self._identity = model_identity(target)
         self._target = weakref.ref(target)
         if self.disk is not None:
@@ -299,7 +286,7 @@ class PrefixCache:
         prompt = list(prompt)
         key = self.drafter_key(drafter)
         needs = bool(drafter is not None and drafter.needs_state)
-        plan = Plan(prompt, key, mark=any(type(c).__name__ not in APPEND_ONLY for c in target.new_cache()))
+        plan = Plan(prompt, key, mark=any(cls not in APPEND_ONLY for cls in layer_classes(target.new_cache())))
         best, p = self._best(prompt, key, needs)
         if self.disk is not None:
             stub, q = self.disk.best(prompt, key, needs)
@@ -335,18 +322,16 @@ class PrefixCache:
 
     def _restore(self, entry: Entry, p: int, target: Target, key: str | None) -> Resume | None:
         cache = target.new_cache()
-        if [type(c).__name__ for c in cache] != entry.classes:
+        if layer_classes(cache) != entry.classes:
             log.warning("prefix cache: stored cache layout does not match the target's; entry dropped")
             self._entries = OrderedDict((k, e) for k, e in self._entries.items() if e is not entry)
             return None
         end = len(entry.tokens)
-        for i, c in enumerate(cache):
-            if p == end or entry.floors[i] <= p:
-                c.state = handles(entry.final[i])
-                if p < end and c.trim(end - p) != end - p:
-                    return None
-            else:
-                c.state = handles(entry.marks[p][i])
+        trimmed = [p < end and f <= p for f in entry.floors]  # the rest come from the mark at p
+        caches.restore(cache, [entry.final[i] if p == end or cut else entry.marks[p][i] for i, cut in enumerate(trimmed)])
+        for layer, cut in zip(caches.leaves(cache), trimmed):
+            if cut:
+                caches.trim(layer, end - p)
         return Resume(cache, p, entry.logits.get(p), entry.drafters.get(key) if key else None)
 
     # -- storing -------------------------------------------------------------------------
@@ -355,13 +340,13 @@ class PrefixCache:
         cache, n = stats.cache, stats.cache_len
         if cache is None or n <= 0 or self._identity is None:
             return None
-        if any(s is not None and s != n for s in map(_size, cache)):
-            log.warning("prefix cache: caches hold %s tokens, expected %d; not kept",
-                        sorted({_size(c) for c in cache}), n)
+        sizes = {int(c.offset) for c in caches.leaves(cache) if hasattr(c, "offset")}
+        if sizes - {n}:
+            log.warning("prefix cache: caches hold %s tokens, expected %d; not kept", sorted(sizes), n)
             return None
-        final = [handles(c.state) for c in cache]
+        final = caches.snapshot(cache)
         mx.eval(arrays_of(final))
-        classes = [type(c).__name__ for c in cache]
+        classes = layer_classes(cache)
         entry = Entry(list(stats.ids[:n]), classes, [floor(k, s, n) for k, s in zip(classes, final)], final)
         for p, layers in plan.marks.items():
             entry.add_mark(p, layers)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
 
+from engine import caches
 from engine.drafters.base import DrafterState
 from engine.gguf import cache_root
 
@@ -223,7 +224,7 @@ class DiskTier:
         except Exception as e:  # a file that passes the checksum but still does not parse
             self._refuse(path, f"malformed ({type(e).__name__}: {e})")
             return None
-        classes = [type(c).__name__ for c in target.new_cache()]
+        classes = [type(c).__name__ for c in caches.leaves(target.new_cache())]
         if entry.classes != classes or len(entry.floors) != len(classes):
             self._refuse(path, "cache layout differs from the model's")
             return None

@@ -18,7 +18,7 @@ import pytest
 from engine.api import Session
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.generate import Engine
-from engine.prefix_cache import PrefixCache, common_prefix
+from engine.prefix_cache import MARK_EVERY, PrefixCache, common_prefix, layer_classes
 from engine.serve.chat_format import render_chat
 from engine.serve.server import make_server
 from tests.lossless import assert_same_greedy
@@ -165,48 +165,29 @@ def test_seeded_sampling_gives_the_same_tokens(tmp_path, mode):
     assert r2.cached_tokens > len(p1)
 
 
-@pytest.mark.parametrize("family", ["sliding-window", "recurrent"])
-def test_caches_that_cannot_be_cut_back_restore_at_marks(family):
-    """Baseline on a sliding-window (gemma3: wrapped windows) and a hybrid recurrent target (lfm2):
-    turn 2 restores the end of turn 1; an edit of turn 2's message restores the mark there."""
-    engine = Engine(_gemma3() if family == "sliding-window" else _lfm2(), make_tokenizer(), name=family)
-    kinds = {type(c).__name__ for c in engine.target.new_cache()}
-    assert kinds & {"RotatingKVCache", "ArraysCache"}
+@pytest.mark.parametrize("arch,mode", [("gemma3", "baseline"), ("gemma3", "lookup"), ("qwen3_5", "baseline"),
+                                       ("qwen3_5", "draft"), ("lfm2", "lookup"), ("nemotron_h", "lookup"),
+                                       ("gemma3", "dspark"), ("gemma3", "dflash")])
+def test_caches_that_cannot_be_cut_back_restore_at_marks(tmp_path, arch, mode):
+    """Sliding windows that wrapped (Gemma-3, window 8) and recurrent state (Qwen3.5, LFM2,
+    Nemotron-H) restore where a snapshot was taken: turn 1's prompt end and answer, turn 2's
+    resume point; an edit before every mark prefills from token 0. Same output throughout."""
+    engine, ask = engine_for(mode, tmp_path, arch)
+    assert set(layer_classes(engine.target.new_cache())) & {"RotatingKVCache", "ArraysCache"}
     p1 = user(13, 30)
-    r1 = check(engine, "baseline", p1, n=14)
+    r1 = check(engine, ask, p1, n=14)
     p2 = p1 + r1.token_ids + [EOS] + user(14, 8)
-    r2 = check(engine, "baseline", p2, n=14)
-    end1 = len(p1) + len(r1.token_ids) + (1 if r1.finish_reason == "stop" else 0)  # baseline feeds the EOS too
-    assert r2.cached_tokens == min(end1, len(p2) - 1)
-    edited = p2[: len(p2) - 8] + user(15, 8)
-    assert check(engine, "baseline", edited, n=14).cached_tokens == r2.cached_tokens
-    middle = p1[:10] + user(16, 20)  # no mark before the edit: prefilled from token 0, same output
-    check(engine, "baseline", middle, n=14)
-
-
-def _gemma3():
-    from mlx_lm.models import gemma3_text
-
-    mx.random.seed(2)
-    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                                 vocab_size=96, sliding_window=8, sliding_window_pattern=2)
-    model = gemma3_text.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
-def _lfm2():
-    from mlx_lm.models import lfm2
-
-    mx.random.seed(2)
-    args = lfm2.ModelArgs(model_type="lfm2", vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5, conv_bias=False,
-                          conv_L_cache=3, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=None,
-                          block_auto_adjust_ff_dim=False, block_ff_dim=128, full_attn_idxs=[1, 3])
-    model = lfm2.Model(args)
-    mx.eval(model.parameters())
-    return model
+    r2 = check(engine, ask, p2, n=14)
+    assert r2.cached_tokens >= len(p1)
+    edited = p2[: len(p2) - 8] + user(15, 8)  # turn 2's message rewritten
+    assert check(engine, ask, edited, n=14).cached_tokens >= r2.cached_tokens
+    other_answer = p1 + [t for t in user(17, 6) if t != r1.token_ids[0]]  # turn 1 answered otherwise
+    assert check(engine, ask, other_answer, n=6).cached_tokens == len(p1)  # the mark at turn 1's prompt end
+    assert check(engine, ask, p1[:10] + user(16, 20), n=6).cached_tokens == 0
+    if mode == "baseline":  # a long prompt is marked every MARK_EVERY tokens
+        long = user(18, MARK_EVERY + 60)
+        check(engine, ask, long, n=4)
+        assert check(engine, ask, long[: MARK_EVERY + 20] + user(19, 5), n=4).cached_tokens == MARK_EVERY
 
 
 # ----------------------------------------------------------------------------------------
