@@ -29,7 +29,7 @@ import logging
 import re
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -168,7 +168,7 @@ class Entry:
         limit = common_prefix(self.tokens, prompt)
         if needs_state:
             state = self.drafters.get(drafter_key) if drafter_key else None
-            limit = min(limit, state.tokens if state else 0)
+            limit = min(limit, state.tokens) - state.lookahead if state else 0
         candidates = {limit, limit - 1, len(self.tokens), *self.marks}
         for p in sorted((p for p in candidates if 0 < p <= limit), reverse=True):
             # the whole prompt restored needs the row after it; else at least one token is prefilled
@@ -356,7 +356,7 @@ class PrefixCache:
             state = drafter.state()
             if state is not None:
                 mx.eval(arrays_of(state.tree))
-                entry.drafters[plan.drafter_key] = DrafterState(min(state.tokens, n), state.tree)
+                entry.drafters[plan.drafter_key] = replace(state, tokens=min(state.tokens, n))
         if plan.source is not None and plan.resume is not None:  # what the restored prefix offered
             p = plan.resume.cached
             source = plan.source
@@ -368,7 +368,7 @@ class PrefixCache:
                     entry.logits.setdefault(q, row)
             for k, state in source.drafters.items():
                 if k not in entry.drafters and min(state.tokens, p) > 0:
-                    entry.drafters[k] = DrafterState(min(state.tokens, p), state.tree)
+                    entry.drafters[k] = replace(state, tokens=min(state.tokens, p))
         return self._insert(entry)
 
     def _insert(self, entry: Entry) -> Entry:

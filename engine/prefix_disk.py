@@ -104,7 +104,8 @@ def pack(entry: "Entry", identity: str) -> tuple[dict[str, mx.array], dict[str, 
     marks = {str(p): {str(i): _skeleton(s, f"mark.{p}.{i}", arrays) for i, s in layers.items()}
              for p, layers in entry.marks.items()}
     logits = {str(p): _skeleton(row, f"logits.{p}", arrays) for p, row in entry.logits.items()}
-    drafters = [[key, d.tokens, _skeleton(d.tree, f"drafter.{j}", arrays)] for j, (key, d) in enumerate(entry.drafters.items())]
+    drafters = [[key, d.tokens, d.lookahead, _skeleton(d.tree, f"drafter.{j}", arrays)]
+                for j, (key, d) in enumerate(entry.drafters.items())]
     meta = {"format": FORMAT, "identity": identity, "tokens": encode_tokens(entry.tokens),
             "classes": json.dumps(entry.classes), "floors": json.dumps(entry.floors),
             "tree": json.dumps({"final": final, "marks": marks, "logits": logits, "drafters": drafters})}
@@ -119,7 +120,7 @@ def unpack(entry_type: type, arrays: dict[str, mx.array] | None, meta: dict[str,
                   [fill(s) for s in tree["final"]] if arrays is not None else None)
     entry.marks = {int(p): {int(i): fill(s) for i, s in layers.items()} for p, layers in tree["marks"].items()}
     entry.logits = {int(p): fill(s) for p, s in tree["logits"].items()}
-    entry.drafters = {key: DrafterState(int(tokens), fill(s)) for key, tokens, s in tree["drafters"]}
+    entry.drafters = {key: DrafterState(int(tokens), fill(s), int(ahead)) for key, tokens, ahead, s in tree["drafters"]}
     entry.dirty = False
     return entry
 

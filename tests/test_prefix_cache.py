@@ -28,13 +28,33 @@ from tests.tiny import make_tiny_engine, make_tiny_model, make_tokenizer
 EOS = 0
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }} {{ m.content }} </s> {% endfor %}"
                  "{% if add_generation_prompt %}assistant{% endif %}")
-MODES = ["baseline", "lookup", "draft", "dspark", "dflash", "lookup-first"]
+MODES = ["baseline", "lookup", "draft", "dspark", "dflash", "dflash2", "lookup-first", "eagle3", "mtp"]
 
 
 def engine_for(mode: str, tmp_path, arch: str = "llama") -> tuple[Engine, str]:
     """A tiny engine set up for ``mode``; returns (engine, the mode name to ask for)."""
-    engine = make_tiny_engine(arch, seed=6, scale=4.0)
-    if mode == "draft":
+    engine = make_tiny_engine("qwen3" if mode == "mtp" else arch, seed=6, scale=4.0)
+    if mode == "mtp":  # a random head in Qwen3.5's layout (test_mtp's)
+        from engine.drafters import formats
+        from engine.drafters.mtp import MTPDrafter
+        from tests import drafter_ckpt as ck
+        from tests.test_mtp import sidecar_config
+
+        config = sidecar_config(engine)
+        weights = {k: mx.array(v) for k, v in ck.mtp_tensors(config["text_config"], seed=3, scale=0.3).items()}
+        engine.set_drafter("mtp", MTPDrafter(formats.load_mtp_head(engine.target, config, weights, where="test head"),
+                                             engine.target))
+    elif mode == "eagle3":
+        from tests.test_eagle3 import write_eagle3
+
+        engine.drafter_path = str(write_eagle3(tmp_path / "eagle3", engine, aux=[1, 2], scale=0.3,
+                                               draft_tokens=range(2, 90)))
+    elif mode == "dflash2":
+        from tests.test_dflash2 import write_dflash2
+
+        engine.drafter_path = str(write_dflash2(tmp_path / "dflash2", engine, layers=2, taps=[1, 2]))
+        return engine, "dflash"  # the checkpoint says which DFlash
+    elif mode == "draft":
         engine.set_drafter("draft", DraftModelDrafter(make_tiny_model(arch, seed=9), max_draft=3))
     elif mode in ("dspark", "lookup-first"):
         engine.drafter_path = str(write_dspark(tmp_path / "dspark", engine, layers=2, taps=[0, 1, 2], markov_scale=10.0))
@@ -84,29 +104,30 @@ def check(engine: Engine, mode: str, prompt: list[int], n: int = 16, **kw):
 @pytest.mark.parametrize("mode", MODES)
 def test_multi_turn_conversations_give_the_same_greedy_output(tmp_path, mode):
     engine, ask = engine_for(mode, tmp_path)
+    ahead = 1 if mode in ("eagle3", "mtp") else 0  # a chain head's row reads the next token too
     p1 = user(1, 40) + user(1, 12)  # a repeat: lookup has something to draft
     r1 = check(engine, ask, p1)
     assert r1.cached_tokens == 0
     p2 = p1 + r1.token_ids + [EOS] + user(2, 9)
     r2 = check(engine, ask, p2)
-    assert r2.cached_tokens >= len(p1) + len(r1.token_ids) - 1  # everything the target had computed
+    assert r2.cached_tokens >= len(p1) + len(r1.token_ids) - 1 - ahead  # everything the target had computed
     p3 = p2 + r2.token_ids + [EOS] + user(3, 7)
     r3 = check(engine, ask, p3)
-    assert r3.cached_tokens >= len(p2) + len(r2.token_ids) - 1
-    inside = p1 + r1.token_ids[: len(r1.token_ids) // 2] + user(4, 5)  # ends inside an earlier answer
-    assert check(engine, ask, inside).cached_tokens == len(p1) + len(r1.token_ids) // 2
-    edited = p3[:20] + user(5, 3) + p3[23:]  # the first message edited in the middle
-    assert check(engine, ask, edited).cached_tokens == 20
+    assert r3.cached_tokens >= len(p2) + len(r2.token_ids) - 1 - ahead
+    inside = p1 + r1.token_ids[: len(r1.token_ids) // 2] + [EOS]  # ends inside an earlier answer
+    assert check(engine, ask, inside).cached_tokens == len(p1) + len(r1.token_ids) // 2 - ahead
+    edited = p3[:20] + [EOS] + p3[21:]  # the first message edited in the middle
+    assert check(engine, ask, edited).cached_tokens == 20 - ahead
     again = check(engine, ask, p3)  # regenerate: the whole prompt is stored, with the row after it
-    assert again.cached_tokens == len(p3) and again.token_ids == r3.token_ids
+    assert again.cached_tokens == len(p3) - ahead and again.token_ids == r3.token_ids
     if mode != "baseline":
         assert r2.drafted > 0
 
 
-@pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "lookup-first"])
+@pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "lookup-first", "eagle3", "mtp"])
 def test_a_resumed_drafter_holds_what_begin_would_build(tmp_path, mode):
-    """After turn 2 the drafter's state (context K/V rows, the draft model's cache) over the prompt
-    equals, to rounding, the state of a run that prefilled from token 0."""
+    """After turn 2 the drafter's state (context K/V rows, the draft model's cache, a chain head's
+    rows) over the prompt equals, to rounding, the state of a run that prefilled from token 0."""
     engine, ask = engine_for(mode, tmp_path)
     p1 = user(30, 40)
     r1 = engine.generate(p1, mode=ask, max_new_tokens=10)

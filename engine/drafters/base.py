@@ -45,10 +45,13 @@ class DrafterState:
 
     ``tokens``: how many leading tokens of that sequence it covers. ``tree``: arrays in nested
     lists/dicts, with ints, strings or None beside them (saved to disk as is). The arrays must
-    be handles that later writes to the drafter's live buffers never reach."""
+    be handles that later writes to the drafter's live buffers never reach. ``lookahead``: the
+    state after p tokens also read the next ones (a chain head's row t reads token t+1), so a
+    resume after p tokens needs ``p + lookahead`` tokens to match."""
 
     tokens: int
     tree: Any
+    lookahead: int = 0
 
 
 class Drafter:
@@ -62,9 +65,6 @@ class Drafter:
     max_draft: int = 8
     #: whether proposals depend on the drafter's own model (for cost calibration)
     has_model: bool = False
-    #: whether ``resume`` after a restored prefix needs a stored ``state()`` covering it (drafters
-    #: that read the target's hidden states: a restored target cache does not give them back)
-    needs_state: bool = False
 
     def speculation_blocker(self) -> str | None:
         """Why this drafter cannot draft exactly here (e.g. a draft model whose cache cannot roll
@@ -84,6 +84,12 @@ class Drafter:
         """The loop committed tokens: ``ids`` is the full sequence now, the last ``n_new`` are
         new. ``hidden`` holds the tapped rows for the tokens the target just cached (the previous
         anchor and the accepted drafts: ``n_new`` rows) or None."""
+
+    @property
+    def needs_state(self) -> bool:
+        """Whether ``resume`` after a restored prefix needs a stored ``state()`` covering it: drafters
+        that read the target's hidden states (a restored target cache does not give them back)."""
+        return bool(self.tap_layers)
 
     def state(self) -> DrafterState | None:
         """The state after the committed tokens, for a prefix cache; None when there is nothing

@@ -504,7 +504,6 @@ class BlockDrafter(Drafter):
     Subclasses turn the block's states into draft tokens."""
 
     has_model = True
-    needs_state = True  # context rows come from the target's hidden states
 
     def __init__(self, model: BlockBackbone, cfg: BlockConfig, target: "Target"):
         self.model = model

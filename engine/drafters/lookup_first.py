@@ -27,7 +27,6 @@ class LookupFirst(Drafter):
         self.lookup = lookup or LookupDrafter()
         self.name = f"{model_drafter.name}+lookup"
         self.tap_layers = model_drafter.tap_layers
-        self.needs_state = model_drafter.needs_state
         self.max_draft = max(self.lookup.max_draft, model_drafter.max_draft)
         self.from_lookup = 0  # rounds drafted by each (diagnostics, tests)
         self.from_model = 0
