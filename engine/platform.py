@@ -4,6 +4,8 @@
 anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
 OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
 (dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
+Ahead of OpenBLAS goes ``engine.blas_gemv``'s forwarder, which sends single-row products (a
+decode step) to gemv: 2-3x faster at M = 1 than OpenBLAS's gemm.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ OPENCV_OPENBLAS_GLOB = "opencv_python.libs/libopenblasp-r0-*.so*"
 @dataclass(frozen=True)
 class BlasStatus:
     """What ``preload_blas`` did. ``state`` is one of: preloaded, already-mapped, late,
-    not-found, disabled, failed, not-linux."""
+    not-found, disabled, failed, not-linux. ``gemv``: "on" when single-row matmuls go to
+    BLAS gemv (``engine.blas_gemv``), else "off: <why>"."""
 
     state: str
     path: Optional[str]
     reason: str
+    gemv: str = "off"
 
     @property
     def ok(self) -> bool:
@@ -45,6 +49,7 @@ class BlasStatus:
 
 _BLAS_STATUS: Optional[BlasStatus] = None
 _BLAS_HANDLE: Optional[ctypes.CDLL] = None  # keep the library referenced for the process life
+_GEMV_HANDLE: Optional[ctypes.CDLL] = None
 
 
 def _openblas_candidates() -> list[str]:
@@ -86,7 +91,8 @@ def _preload_blas() -> BlasStatus:
         return BlasStatus("disabled", None, "TANDEM_NO_OPENBLAS is set")
     mapped = [p for p in mapped_blas_libraries() if "openblas" in os.path.basename(p).lower()]
     if mapped:  # LD_PRELOAD or an earlier load already put it in the global scope
-        return BlasStatus("already-mapped", mapped[0], "OpenBLAS was already loaded (LD_PRELOAD?)")
+        return BlasStatus("already-mapped", mapped[0], "OpenBLAS was already loaded (LD_PRELOAD?)",
+                          "off: OpenBLAS was in the global scope first")
     late = "mlx.core" in sys.modules
     candidates = _openblas_candidates()
     if not candidates:
@@ -98,10 +104,12 @@ def _preload_blas() -> BlasStatus:
     errors = []
     for path in candidates:
         try:
-            _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all? (then the gemv forwarder goes first)
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
+        gemv = "off: mlx.core was imported first" if late else _install_gemv(path)
+        _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         if late:
             # Loaded anyway (lazy binding may still pick it up), but nothing guarantees it.
             return BlasStatus(
@@ -109,9 +117,33 @@ def _preload_blas() -> BlasStatus:
                 path,
                 "mlx.core was imported before engine, so MLX most likely keeps its reference BLAS "
                 "(import engine first or set LD_PRELOAD)",
+                gemv,
             )
-        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core")
+        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core", gemv)
     return BlasStatus("failed", None, "; ".join(errors))
+
+
+def _install_gemv(openblas_path: str) -> str:
+    """Put the single-row gemv forwarder (engine.blas_gemv) in the global scope ahead of OpenBLAS."""
+    global _GEMV_HANDLE
+    from engine import blas_gemv
+
+    _GEMV_HANDLE, why = blas_gemv.install(openblas_path)
+    return "on" if _GEMV_HANDLE is not None else f"off: {why}"
+
+
+def gemv_active() -> bool:
+    """Whether single-row matmuls go to BLAS gemv right now (costs differ: calibrations key on it)."""
+    return _GEMV_HANDLE is not None and bool(_GEMV_HANDLE.tandem_gemv_enabled())
+
+
+def gemv_forwarding(on: bool) -> bool:
+    """Switch the gemv forwarder on or off at run time (benchmarks compare both in one process).
+    Returns whether it is on now; always False where it was not installed."""
+    if _GEMV_HANDLE is None:
+        return False
+    _GEMV_HANDLE.tandem_gemv_enable(int(bool(on)))
+    return gemv_active()
 
 
 def blas_status() -> BlasStatus:

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import caches, recurrent
+from engine import caches, compiled, recurrent
 from engine.errors import TandemError
 
 PROBE_TOLERANCE = 1e-3
@@ -111,6 +111,8 @@ class Target:
         except Exception:  # a model whose trunk has a different signature: use the full call
             self._split = False
         self.vocab_size = int(reference.shape[-1])
+        self._switch = compiled.Switch()
+        self.compiled_off = self._install_compiled()  # why small forwards run uncompiled ("" = they don't)
         if self.recorder is not None:
             self._blocker = self._prove_rollback()
 
@@ -128,6 +130,25 @@ class Target:
         out = self.head(self.trunk(ids, make_prompt_cache(self.model)))
         mx.eval(out)
         return out
+
+    def _install_compiled(self) -> str:
+        """Compiled norms and ropes for small forwards (engine.compiled), kept only when the
+        logits of a prefill, a step and a verify are bit-identical to the plain forward's."""
+        swapped = compiled.swap_modules(self.model, self._switch)
+        if not swapped:
+            return "no plain RMSNorm or RoPE modules to compile"
+
+        probe = self._probe_ids()
+
+        def forward() -> mx.array:  # a prefill, a step and a verify, on one cache
+            cache = make_prompt_cache(self.model)
+            rows = [self.model(ids, cache=cache)[0] for ids in (probe, probe[:, :1], probe[:, 1:])]
+            return mx.concatenate(rows, axis=0)
+
+        why = compiled.probe(forward, self._switch)
+        if why:
+            compiled.restore(swapped)
+        return why
 
     def head(self, h: mx.array) -> mx.array:
         outer = getattr(self.model, "language_model", self.model)  # VLM-style wrappers (Qwen3.5)
@@ -229,6 +250,7 @@ class Target:
         self.forwards += 1
         self._sink.enabled = tap and bool(self.tap_layers)
         self._sink.outputs = {}
+        self._switch.set(not self.compiled_off and ids.shape[1] <= compiled.MAX_WIDTH)
         try:
             if self._split:
                 h = self.trunk(ids, cache)
@@ -243,6 +265,7 @@ class Target:
         finally:
             self._sink.enabled = False
             self._sink.outputs = {}
+            self._switch.set(False)
         return logits[0], hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
