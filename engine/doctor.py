@@ -135,6 +135,7 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("Memory", lambda: _gib(platform.memory_bytes())),
     ("BLAS preload", _blas_row),
     ("BLAS mapped", _blas_mapped_row),
+    ("Skinny matmuls", lambda: platform.blas_status().skinny),
     ("sgemm check", _sgemm_row),
     ("Weights dtype", _dtype_row),
     ("KV cache bits", _kv_bits_row),

@@ -4,8 +4,8 @@
 anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
 OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
 (dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
-Ahead of OpenBLAS goes ``engine.blas_gemv``'s forwarder, which sends single-row products (a
-decode step) to gemv: 2-3x faster at M = 1 than OpenBLAS's gemm.
+Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-8 rows (a decode
+step, a verify round): OpenBLAS's gemm packs the weights first and is 2-3x slower there.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ OPENCV_OPENBLAS_GLOB = "opencv_python.libs/libopenblasp-r0-*.so*"
 @dataclass(frozen=True)
 class BlasStatus:
     """What ``preload_blas`` did. ``state`` is one of: preloaded, already-mapped, late,
-    not-found, disabled, failed, not-linux. ``gemv``: "on" when single-row matmuls go to
-    BLAS gemv (``engine.blas_gemv``), else "off: <why>"."""
+    not-found, disabled, failed, not-linux. ``skinny``: "on" when 1-8-row matmuls bypass
+    OpenBLAS's gemm (``engine.skinny_gemm``), else "off: <why>"."""
 
     state: str
     path: Optional[str]
     reason: str
-    gemv: str = "off"
+    skinny: str = "off"
 
     @property
     def ok(self) -> bool:
@@ -49,7 +49,7 @@ class BlasStatus:
 
 _BLAS_STATUS: Optional[BlasStatus] = None
 _BLAS_HANDLE: Optional[ctypes.CDLL] = None  # keep the library referenced for the process life
-_GEMV_HANDLE: Optional[ctypes.CDLL] = None
+_SKINNY_HANDLE: Optional[ctypes.CDLL] = None
 
 
 def _openblas_candidates() -> list[str]:
@@ -104,11 +104,11 @@ def _preload_blas() -> BlasStatus:
     errors = []
     for path in candidates:
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all? (then the gemv forwarder goes first)
+            ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all? (then engine.skinny_gemm goes first)
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
-        gemv = "off: mlx.core was imported first" if late else _install_gemv(path)
+        skinny = "off: mlx.core was imported first" if late else _install_skinny(path)
         _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         if late:
             # Loaded anyway (lazy binding may still pick it up), but nothing guarantees it.
@@ -117,33 +117,33 @@ def _preload_blas() -> BlasStatus:
                 path,
                 "mlx.core was imported before engine, so MLX most likely keeps its reference BLAS "
                 "(import engine first or set LD_PRELOAD)",
-                gemv,
+                skinny,
             )
-        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core", gemv)
+        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core", skinny)
     return BlasStatus("failed", None, "; ".join(errors))
 
 
-def _install_gemv(openblas_path: str) -> str:
-    """Put the single-row gemv forwarder (engine.blas_gemv) in the global scope ahead of OpenBLAS."""
-    global _GEMV_HANDLE
-    from engine import blas_gemv
+def _install_skinny(openblas_path: str) -> str:
+    """Put engine.skinny_gemm's ``cblas_sgemm`` in the global scope ahead of OpenBLAS's."""
+    global _SKINNY_HANDLE
+    from engine.skinny_gemm import install
 
-    _GEMV_HANDLE, why = blas_gemv.install(openblas_path)
-    return "on" if _GEMV_HANDLE is not None else f"off: {why}"
-
-
-def gemv_active() -> bool:
-    """Whether single-row matmuls go to BLAS gemv right now (costs differ: calibrations key on it)."""
-    return _GEMV_HANDLE is not None and bool(_GEMV_HANDLE.tandem_gemv_enabled())
+    _SKINNY_HANDLE, why = install(openblas_path)
+    return "on" if _SKINNY_HANDLE is not None else f"off: {why}"
 
 
-def gemv_forwarding(on: bool) -> bool:
-    """Switch the gemv forwarder on or off at run time (benchmarks compare both in one process).
+def skinny_active() -> bool:
+    """Whether 1-8-row matmuls bypass OpenBLAS's gemm right now (costs differ: calibrations key on it)."""
+    return _SKINNY_HANDLE is not None and bool(_SKINNY_HANDLE.tandem_skinny_enabled())
+
+
+def skinny_matmuls(on: bool) -> bool:
+    """Switch engine.skinny_gemm on or off at run time (benchmarks compare both in one process).
     Returns whether it is on now; always False where it was not installed."""
-    if _GEMV_HANDLE is None:
+    if _SKINNY_HANDLE is None:
         return False
-    _GEMV_HANDLE.tandem_gemv_enable(int(bool(on)))
-    return gemv_active()
+    _SKINNY_HANDLE.tandem_skinny_enable(int(bool(on)))
+    return skinny_active()
 
 
 def blas_status() -> BlasStatus:

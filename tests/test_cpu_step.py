@@ -1,6 +1,6 @@
 """The CPU step's speed-ups change no result: compiled norms and ropes give bit-identical logits
-and greedy ids (tiny models and the starter), a mismatching compile is refused, and the gemv
-forwarder computes what gemm computes for every single-row layout MLX sends it."""
+and greedy ids (tiny models and the starter), a mismatching compile is refused, and the skinny
+matmuls compute what gemm computes for every 1-8-row layout MLX sends them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import blas_gemv, compiled, platform
+from engine import compiled, platform, skinny_gemm
 from engine.target import Target
 from tests.tiny import make_tiny_engine, make_tiny_model
 
@@ -113,48 +113,59 @@ def test_compiled_step_is_bit_identical_on_the_starter(starter_engine):
     assert_compiled_equals_plain(starter_engine.target, prompt, steps=6)
 
 
-# -- the gemv forwarder -------------------------------------------------------------------
-needs_gemv = pytest.mark.skipif(not platform.gemv_active(), reason=f"gemv forwarder {platform.blas_status().gemv}")
+# -- skinny matmuls -----------------------------------------------------------------------
+needs_skinny = pytest.mark.skipif(not platform.skinny_active(), reason=f"skinny matmuls {platform.blas_status().skinny}")
 
 
-@needs_gemv
-@pytest.mark.parametrize("layout", ["x@W.T", "x@W", "xT.T@W.T", "addmm", "batched"])
-def test_gemv_forwarder_matches_gemm_on_every_single_row_layout(layout):
-    rng = np.random.default_rng(0)
-    n, k = 1000, 96
-    w, x, bias = (rng.standard_normal(s).astype(np.float32) for s in ((n, k), (1, k), (n,)))
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("layout", ["x@W.T", "x@W", "addmm", "batched", "strided"])
+def test_skinny_matmuls_match_gemm_on_every_layout(layout, rows):
+    rng = np.random.default_rng(rows)
+    n, k = 700, 83  # k = 5 lanes of 16 and a tail of 3
+    w, x, bias = (rng.standard_normal(s).astype(np.float32) for s in ((n, k), (rows, k), (n,)))
     cases = {
         "x@W.T": (lambda: mx.array(x) @ mx.array(w).T, x @ w.T),
         "x@W": (lambda: mx.array(x) @ mx.array(w.T.copy()), x @ w.T),
-        "xT.T@W.T": (lambda: mx.array(x.T.copy()).T @ mx.array(w).T, x @ w.T),  # a transposed row
         "addmm": (lambda: mx.addmm(mx.array(bias), mx.array(x), mx.array(w).T), x @ w.T + bias),
         "batched": (lambda: mx.array(np.stack([x, 2 * x])) @ mx.array(w).T, np.stack([x @ w.T, 2 * x @ w.T])),
+        "strided": (lambda: mx.array(np.concatenate([x, x], axis=1))[:, :k] @ mx.array(w).T, x @ w.T),
     }
     fn, want = cases[layout]
-    got_gemv = np.array(fn())
-    assert platform.gemv_forwarding(False) is False
+    got_skinny = np.array(fn())
+    assert platform.skinny_matmuls(False) is False
     try:
         got_gemm = np.array(fn())
     finally:
-        assert platform.gemv_forwarding(True) is True
-    np.testing.assert_allclose(got_gemv, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got_gemv, got_gemm, rtol=1e-5, atol=1e-5)
+        assert platform.skinny_matmuls(True) is True
+    np.testing.assert_allclose(got_skinny, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_skinny, got_gemm, rtol=1e-5, atol=1e-5)
+
+
+@needs_skinny
+def test_a_row_does_not_depend_on_how_many_rows_share_the_product():
+    """2-8-row products sum each row the same way, so a row is bit-identical in any of them."""
+    rng = np.random.default_rng(3)
+    w, x = mx.array(rng.standard_normal((300, 96)).astype(np.float32)), mx.array(rng.standard_normal((8, 96)).astype(np.float32))
+    full = x @ w.T
+    for rows in range(2, 9):
+        assert mx.array_equal((x[:rows] @ w.T)[1], full[1]).item(), rows
 
 
 @pytest.mark.skipif(not platform.blas_status().path, reason="no OpenBLAS")
-def test_self_test_refuses_a_forwarder_that_computes_something_else():
-    real = blas_gemv._SGEMM_FN(("cblas_sgemm", ctypes.CDLL(platform.blas_status().path)))
+def test_self_test_refuses_a_library_that_computes_something_else():
+    real = skinny_gemm._SGEMM_FN(("cblas_sgemm", ctypes.CDLL(platform.blas_status().path)))
 
     def doubled(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
         real(order, ta, tb, m, n, k, 2 * alpha, a, lda, b, ldb, beta, c, ldc)
 
-    assert blas_gemv._self_test(types.SimpleNamespace(cblas_sgemm=blas_gemv._SGEMM_FN(real)), real) == ""
-    problem = blas_gemv._self_test(types.SimpleNamespace(cblas_sgemm=blas_gemv._SGEMM_FN(doubled)), real)
+    assert skinny_gemm.self_test(types.SimpleNamespace(cblas_sgemm=skinny_gemm._SGEMM_FN(real)), real) == ""
+    problem = skinny_gemm.self_test(types.SimpleNamespace(cblas_sgemm=skinny_gemm._SGEMM_FN(doubled)), real)
     assert problem.startswith("self-test failed")
 
 
 def run_py(code: str, **env: str) -> dict:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NO_GEMV", "LD_PRELOAD")}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NO_SKINNY", "LD_PRELOAD")}
     full_env.update(env)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
                          capture_output=True, text=True, timeout=120)
@@ -165,26 +176,26 @@ def run_py(code: str, **env: str) -> dict:
 STATUS = """
     import json, os
     import engine
-    from engine import blas_gemv, platform
+    from engine import platform
     import mlx.core as mx
     st = platform.blas_status()
     built = sorted(os.listdir(os.path.join(os.environ["TANDEM_CACHE_DIR"], "blas"))) if os.path.isdir(
         os.path.join(os.environ["TANDEM_CACHE_DIR"], "blas")) else []
     x, w = mx.ones((1, 64)), mx.ones((300, 64))
-    print(json.dumps(dict(state=st.state, gemv=st.gemv, active=platform.gemv_active(), built=built,
+    print(json.dumps(dict(state=st.state, skinny=st.skinny, active=platform.skinny_active(), built=built,
                           value=(x @ w.T)[0, 0].item())))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
-def test_forwarder_builds_into_the_cache_and_can_be_turned_off(tmp_path):
-    if platform.blas_status().state not in ("preloaded",) or blas_gemv._compiler() is None:
-        pytest.skip(f"needs OpenBLAS preloaded and a C compiler ({platform.blas_status().gemv})")
+def test_skinny_library_builds_into_the_cache_and_can_be_turned_off(tmp_path):
+    if platform.blas_status().state != "preloaded" or skinny_gemm._compiler() is None:
+        pytest.skip(f"needs OpenBLAS preloaded and a C compiler ({platform.blas_status().skinny})")
     on = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path))
-    assert on["gemv"] == "on" and on["active"] and on["value"] == 64.0
-    assert len(on["built"]) == 1 and on["built"][0].startswith("tandem-gemv-")
+    assert on["skinny"] == "on" and on["active"] and on["value"] == 64.0
+    assert len(on["built"]) == 1 and on["built"][0].startswith("tandem-skinny-")
     again = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path))  # reuses the cached library
-    assert again["gemv"] == "on" and again["built"] == on["built"]
-    off = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path), TANDEM_NO_GEMV="1")
-    assert off["gemv"] == "off: TANDEM_NO_GEMV is set" and not off["active"] and off["value"] == 64.0
+    assert again["skinny"] == "on" and again["built"] == on["built"]
+    off = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path), TANDEM_NO_SKINNY="1")
+    assert off["skinny"] == "off: TANDEM_NO_SKINNY is set" and not off["active"] and off["value"] == 64.0
     assert off["state"] == "preloaded"

@@ -12,8 +12,8 @@ conversion cache, dense float32) into ``<tandem cache>/peer/smollm2-135m-fp32``;
 the shipped drafter ``resources/drafters/smollm2-135m-dspark`` unquantized (``--drafter-bits 0``).
 Each engine uses its own defaults otherwise: Tandem's calibrated caps (calibrated before timing),
 the peer's measured ``static_cap`` and its lookup defaults. Both preload OpenBLAS the same way;
-Tandem's gemv forwarder (engine/blas_gemv.py) is Tandem's own, so the peer runs without it unless
-``--peer-gemv`` lends it.
+Tandem's skinny matmuls (engine/skinny_gemm.py) are Tandem's own, so the peer runs without them
+unless ``--peer-skinny`` lends them.
 
 Reported per mode and engine: decode tok/s (median over trials of all prompts' tokens after the
 first over their decode seconds, prefill excluded), Tandem/peer (median of per-trial ratios),
@@ -100,11 +100,11 @@ def fp32_folder() -> Path:
 class Peer:
     """The mlx-dspark worker process: one JSON request, one JSON reply."""
 
-    def __init__(self, python: str, lend_gemv: bool):
+    def __init__(self, python: str, lend_skinny: bool):
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # its own site-packages only; the worker adds the repo for `engine`
-        if not lend_gemv:
-            env["TANDEM_NO_GEMV"] = "1"
+        if not lend_skinny:
+            env["TANDEM_NO_SKINNY"] = "1"
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("peer_worker.py"))], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--peer-python", default="/work/peer-venv/bin/python")
-    p.add_argument("--peer-gemv", action="store_true", help="lend Tandem's gemv forwarder to the peer as well")
+    p.add_argument("--peer-skinny", action="store_true", help="lend Tandem's skinny matmuls (engine/skinny_gemm.py) to the peer as well")
+    p.add_argument("--tandem-plain", action="store_true",
+                   help="add Tandem with skinny matmuls and compiled small forwards off (the CPU step before them)")
     p.add_argument("--json", default=None, help="also write the raw figures here")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.calibrate import calibrate
 
     folder = fp32_folder()
-    peer = Peer(args.peer_python, args.peer_gemv)
+    peer = Peer(args.peer_python, args.peer_skinny)
     peer_info = peer.ask(cmd="load", model=str(folder), drafter=str(DRAFTER))
     eng = load(str(folder), drafter=str(DRAFTER))
     for mode in modes:
@@ -198,21 +200,31 @@ def main(argv: list[str] | None = None) -> int:
     work = [(cls, eng.encode(text)) for cls, text in prompts(args.per_class)]
     blas = platform.blas_status()
     print(f"model {folder} | {len(work)} prompts x {args.trials} trials, {args.max_new_tokens} new tokens, greedy")
-    print(f"tandem: gemv {blas.gemv}, compiled small forwards {eng.target.compiled_off or 'on'} | peer: mlx "
-          f"{peer_info['mlx']}, BLAS {peer_info['blas']}, gemv {peer_info['gemv']}, dspark cap "
+    print(f"tandem: skinny matmuls {blas.skinny}, compiled small forwards {eng.target.compiled_off or 'on'} | peer: mlx "
+          f"{peer_info['mlx']}, BLAS {peer_info['blas']}, skinny matmuls {peer_info['skinny']}, dspark cap "
           f"{peer_info['dspark_cap']}, lookup drafts in dspark {peer_info['dspark_lookup_drafts']}")
     if os.getloadavg()[0] > (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: absolute figures are "
               f"noisy, ratios less so")
 
-    arms = [Arm(e, m) for m in modes for e in ENGINES]
+    engines = ENGINES + (("tandem-plain",) if args.tandem_plain else ())
+    compiled_off = eng.target.compiled_off
+    arms = [Arm(e, m) for m in modes for e in engines]
     for arm in arms:
         arm.runs = [[None] * len(work) for _ in range(args.trials)]
 
     def run(arm: Arm, ids: list[int], n: int) -> Run:
+        if arm.engine == "peer":
+            return peer_run(peer, arm.mode, ids, n)
         if arm.engine == "tandem":
             return tandem_run(eng, arm.mode, ids, n)
-        return peer_run(peer, arm.mode, ids, n)
+        platform.skinny_matmuls(False)  # "tandem-plain": this branch's CPU-step work off
+        eng.target.compiled_off = "off for the comparison"
+        try:
+            return tandem_run(eng, arm.mode, ids, n)
+        finally:
+            platform.skinny_matmuls(True)
+            eng.target.compiled_off = compiled_off
 
     for arm in arms:  # warm-up: first-call allocations, traces, kernel builds
         run(arm, work[0][1], 8)
@@ -227,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
 
     by = {(a.engine, a.mode): a for a in arms}
     baselines = {e: by[(e, "baseline")] for e in ENGINES if (e, "baseline") in by}
+    plain_head = f"{'plain tok/s':>12}{'plain/peer':>11}" if args.tandem_plain else ""
     print(f"\n{'mode':<10}{'tandem tok/s':>13}{'peer tok/s':>12}{'tandem/peer':>13}{'tandem tok/rnd':>16}"
-          f"{'peer tok/rnd':>14}  {'tandem = base':<15}{'peer = base':<13}")
+          f"{'peer tok/rnd':>14}  {'tandem = base':<15}{'peer = base':<13}{plain_head}")
     report = {"trials": args.trials, "max_new_tokens": args.max_new_tokens, "prompts": len(work), "modes": {}}
     for mode in modes:
         t, q = by[("tandem", mode)], by[("peer", mode)]
@@ -242,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
             match[arm.engine] = "-" if ref is None else "yes" if all(
                 same_as(ref[j].tokens, arm.runs[i][j].tokens) for i in range(args.trials) for j in range(len(work))) \
                 else "NO"
+        plain = ""
+        if args.tandem_plain:
+            p_tps = [by[("tandem-plain", mode)].tps(i) for i in range(args.trials)]
+            plain = f"{statistics.median(p_tps):12.1f}{statistics.median(a / b for a, b in zip(p_tps, q_tps) if b > 0):11.2f}"
         print(f"{mode:<10}{statistics.median(t_tps):13.1f}{statistics.median(q_tps):12.1f}{ratio:13.2f}"
-              f"{t.tokens_per_round():16.2f}{q.tokens_per_round():14.2f}  {match['tandem']:<15}{match['peer']:<13}")
+              f"{t.tokens_per_round():16.2f}{q.tokens_per_round():14.2f}  {match['tandem']:<15}{match['peer']:<13}{plain}")
         report["modes"][mode] = {"tandem_tok_s": t_tps, "peer_tok_s": q_tps, "ratio": ratio,
                                  "tandem_tokens_per_round": t.tokens_per_round(),
                                  "peer_tokens_per_round": q.tokens_per_round(), "matches_baseline": match}
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                    for j in range(len(work)))
         print(f"tandem baseline = peer baseline: {'yes' if same else 'NO (float ties between the engines?)'}")
     print("tok/s: median over trials of (tokens after the first) / decode seconds; ratio: median of per-trial ratios")
+    if args.tandem_plain:
+        print("plain: Tandem with skinny matmuls and compiled small forwards switched off (the same process)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

@@ -7,8 +7,8 @@ Commands: ``{"cmd": "load", "model": DIR, "drafter": DIR}`` and
 Each gets one reply line: ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
 
 OpenBLAS is preloaded the way Tandem does it, by importing ``engine`` (its ``__init__`` is
-stdlib-only) before ``mlx.core``; the driver sets ``TANDEM_NO_GEMV=1`` unless it asks for the
-peer to get Tandem's gemv forwarder too. The setup mirrors ``mlx-dspark generate``: the same
+stdlib-only) before ``mlx.core``; the driver sets ``TANDEM_NO_SKINNY=1`` unless it asks for the
+peer to get Tandem's skinny matmuls too. The setup mirrors ``mlx-dspark generate``: the same
 ``apply_*`` probes, its measured ``static_cap`` for DSpark, lookup's CLI defaults (6 / 32).
 """
 
@@ -52,7 +52,7 @@ def load(model: str, drafter: str) -> dict:
     cap = cal.static_cap(target, dspark, mode="dspark", target_repo=model, drafter_repo=drafter)
     STATE.update(target=target, tok=tok, dspark=dspark, cap=cap, lookup=lookup_drafts_default(model))
     blas = platform.blas_status()
-    return {"dspark_cap": cap, "dspark_lookup_drafts": STATE["lookup"], "blas": blas.state, "gemv": blas.gemv,
+    return {"dspark_cap": cap, "dspark_lookup_drafts": STATE["lookup"], "blas": blas.state, "skinny": blas.skinny,
             "mlx": mx.__version__}
 
 
