@@ -25,6 +25,15 @@ import sys
 import tempfile
 import time
 
+import engine  # noqa: F401,I001  (OpenBLAS and the skinny matmuls load before mlx.core)
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import trim_prompt_cache
+
+from engine import platform, speculative
+from engine.api import load
+from engine.roofline import RooflineModel, measure_bandwidth
+
 CHAT = "Write a short story about a robot who learns to paint."
 COPY = ("Repeat this code exactly:\n\ndef fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
         "    return a\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):"
@@ -38,8 +47,6 @@ def med(xs: list[float]) -> float:
 def graph_nodes(target, cache, token: int) -> int:
     """Primitives in one step's graph as MLX exports it (the plain path: compiled functions
     export their inner graphs too, so this counts what the plain step launches)."""
-    import mlx.core as mx
-
     off = target.compiled_off
     target.compiled_off = "counting"
     try:
@@ -49,7 +56,7 @@ def graph_nodes(target, cache, token: int) -> int:
             nodes = len(re.findall(r'label ="[A-Za-z]', open(f.name).read()))
     finally:
         target.compiled_off = off
-        target.rollback(cache, 1)
+        trim_prompt_cache(cache, 1)
     return nodes
 
 
@@ -58,15 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-
-    import engine  # noqa: F401  (OpenBLAS preload first)
-    import mlx.core as mx
-    from mlx_lm.generate import stream_generate
-
-    from engine import platform
-    from engine import speculative
-    from engine.api import load
-    from engine.roofline import RooflineModel, measure_bandwidth
 
     eng = load()
     target = eng.target
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.perf_counter()
             y.item()
             t2 = time.perf_counter()
-            target.rollback(cache, 1)
+            trim_prompt_cache(cache, 1)
             step.setdefault((skinny, compiled, "build"), []).append(t1 - t0)
             step.setdefault((skinny, compiled, "step"), []).append(t2 - t0)
     configure(True, True)
@@ -163,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             for skinny in (True, False):
                 configure(skinny, True)
                 t0 = time.perf_counter()
-                logits, _ = target.forward(ids, cache)
+                logits, _, txn = target.verify(ids, cache)
                 mx.eval(logits)
                 curve.setdefault((w, skinny), []).append(time.perf_counter() - t0)
-                target.rollback(cache, w)
+                txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
     configure(True, True)
     print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context (ms; x W=1 of the same arm)")
     print(f"{'W':>4}{'skinny':>10}{'x1':>7}{'gemm':>10}{'x1':>7}{'gemm/skinny':>13}")
