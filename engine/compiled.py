@@ -13,7 +13,7 @@ The modules are switched in place (their class becomes a subclass whose ``__call
 compiled path while the target's switch is on), so parameter names, taps and drafters that
 borrow target modules see the model they expect. ``Target.forward`` turns the switch on for
 forwards of at most ``MAX_WIDTH`` rows: prefill chunks keep the plain path (their many widths
-would each cost a trace).
+would each cost a trace). CPU backend only: Metal and CUDA run the fused kernels themselves.
 """
 
 from __future__ import annotations

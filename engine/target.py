@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches, compiled, recurrent
 from engine.errors import TandemError
+from engine.platform import backend
 
 PROBE_TOLERANCE = 1e-3
 LOW_PRECISION_TOLERANCE = 2e-2  # bf16/fp16 models: rounding of differently chunked forwards
@@ -134,6 +135,8 @@ class Target:
     def _install_compiled(self) -> str:
         """Compiled norms and ropes for small forwards (engine.compiled), kept only when the
         logits of a prefill, a step and a verify are bit-identical to the plain forward's."""
+        if backend() != "cpu":  # Metal/CUDA run mx.fast's fused kernels; a compiled wrapper only adds calls
+            return f"not needed on {backend()}"
         swapped = compiled.swap_modules(self.model, self._switch)
         if not swapped:
             return "no plain RMSNorm or RoPE modules to compile"
