@@ -115,7 +115,8 @@ def test_compiled_step_is_bit_identical_on_the_starter(starter_engine):
 
 
 # -- skinny matmuls -----------------------------------------------------------------------
-needs_skinny = pytest.mark.skipif(not platform.skinny_active(), reason=f"skinny matmuls {platform.blas_status().skinny}")
+needs_skinny = pytest.mark.skipif(not platform.skinny_active(),
+                                  reason=f"skinny matmuls {platform.blas_status().skinny}")
 
 
 @needs_skinny
@@ -147,7 +148,8 @@ def test_skinny_matmuls_match_gemm_on_every_layout(layout, rows):
 def test_a_row_does_not_depend_on_how_many_rows_share_the_product():
     """2-8-row products sum each row the same way, so a row is bit-identical in any of them."""
     rng = np.random.default_rng(3)
-    w, x = mx.array(rng.standard_normal((300, 96)).astype(np.float32)), mx.array(rng.standard_normal((8, 96)).astype(np.float32))
+    w = mx.array(rng.standard_normal((300, 96)).astype(np.float32))
+    x = mx.array(rng.standard_normal((8, 96)).astype(np.float32))
     full = x @ w.T
     for rows in range(2, 9):
         assert mx.array_equal((x[:rows] @ w.T)[1], full[1]).item(), rows

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--peer-python", default="/work/peer-venv/bin/python")
-    p.add_argument("--peer-skinny", action="store_true", help="lend Tandem's skinny matmuls (engine/skinny_gemm.py) to the peer as well")
+    p.add_argument("--peer-skinny", action="store_true",
+                   help="lend Tandem's skinny matmuls (engine/skinny_gemm.py) to the peer as well")
     p.add_argument("--tandem-plain", action="store_true",
                    help="add Tandem with skinny matmuls and compiled small forwards off (the CPU step before them)")
     p.add_argument("--json", default=None, help="also write the raw figures here")
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     work = [(cls, eng.encode(text)) for cls, text in prompts(args.per_class)]
     blas = platform.blas_status()
     print(f"model {folder} | {len(work)} prompts x {args.trials} trials, {args.max_new_tokens} new tokens, greedy")
-    print(f"tandem: skinny matmuls {blas.skinny}, compiled small forwards {eng.target.compiled_off or 'on'} | peer: mlx "
+    print(f"tandem: skinny matmuls {blas.skinny}, compiled small forwards {eng.target.compiled_off or 'on'} | "
+          f"peer: mlx "
           f"{peer_info['mlx']}, BLAS {peer_info['blas']}, skinny matmuls {peer_info['skinny']}, dspark cap "
           f"{peer_info['dspark_cap']}, lookup drafts in dspark {peer_info['dspark_lookup_drafts']}")
     if os.getloadavg()[0] > (os.cpu_count() or 1):
@@ -258,9 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         plain = ""
         if args.tandem_plain:
             p_tps = [by[("tandem-plain", mode)].tps(i) for i in range(args.trials)]
-            plain = f"{statistics.median(p_tps):12.1f}{statistics.median(a / b for a, b in zip(p_tps, q_tps) if b > 0):11.2f}"
+            plain_ratio = statistics.median(a / b for a, b in zip(p_tps, q_tps) if b > 0)
+            plain = f"{statistics.median(p_tps):12.1f}{plain_ratio:11.2f}"
         print(f"{mode:<10}{statistics.median(t_tps):13.1f}{statistics.median(q_tps):12.1f}{ratio:13.2f}"
-              f"{t.tokens_per_round():16.2f}{q.tokens_per_round():14.2f}  {match['tandem']:<15}{match['peer']:<13}{plain}")
+              f"{t.tokens_per_round():16.2f}{q.tokens_per_round():14.2f}  {match['tandem']:<15}{match['peer']:<13}"
+              f"{plain}")
         report["modes"][mode] = {"tandem_tok_s": t_tps, "peer_tok_s": q_tps, "ratio": ratio,
                                  "tandem_tokens_per_round": t.tokens_per_round(),
                                  "peer_tokens_per_round": q.tokens_per_round(), "matches_baseline": match}

@@ -36,7 +36,8 @@ from engine.roofline import RooflineModel, measure_bandwidth
 
 CHAT = "Write a short story about a robot who learns to paint."
 COPY = ("Repeat this code exactly:\n\ndef fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
-        "    return a\n\ndef is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):"
+        "    return a\n\ndef is_prime(n):\n    if n < 2:\n        return False\n"
+        "    for d in range(2, int(n ** 0.5) + 1):"
         "\n        if n % d == 0:\n            return False\n    return True\n")
 
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')} | load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
     print(f"roofline: {roof.weight_bytes / 1e6:.0f} MB weights/token, copy bandwidth {bandwidth / 1e9:.1f} GB/s -> "
-          f"ceiling {roof.ceiling_tps(len(chat) + args.tokens // 2):.1f} tok/s at {len(chat) + args.tokens // 2} tokens")
+          f"ceiling {roof.ceiling_tps(len(chat) + args.tokens // 2):.1f} tok/s at {len(chat) + args.tokens // 2} "
+          f"tokens")
 
     def configure(skinny: bool, compiled: bool) -> None:
         platform.skinny_matmuls(skinny)
@@ -166,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 curve.setdefault((w, skinny), []).append(time.perf_counter() - t0)
                 txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
     configure(True, True)
-    print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context (ms; x W=1 of the same arm)")
+    print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context "
+          f"(ms; x W=1 of the same arm)")
     print(f"{'W':>4}{'skinny':>10}{'x1':>7}{'gemm':>10}{'x1':>7}{'gemm/skinny':>13}")
     for w in widths:
         a, b = med(curve[(w, True)]) * 1e3, med(curve[(w, False)]) * 1e3
