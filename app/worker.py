@@ -169,7 +169,7 @@ class EngineWorker(QObject):
         return "\n".join(m["content"] for m in prompt), False
 
     def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
-                started: Callable[[str, int], None] | None = None) -> dict:
+                started: Callable[[str, int], None] | None = None, prefix_cache: bool = True) -> dict:
         """Run one generation on the current engine; returns the result as a plain dict."""
         from engine.detokenize import StreamingDetokenizer
 
@@ -196,7 +196,7 @@ class EngineWorker(QObject):
 
         kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
                                          "seed", "stop", "system") if k in params and params[k] is not None}
-        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round,
+        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round, prefix_cache=prefix_cache,
                                 prefill_progress=prefill_progress, cancel=lambda: self.bridge.is_cancelled(rid),
                                 **kwargs):
             if chunk.event is not None and first:
@@ -272,7 +272,8 @@ class EngineWorker(QObject):
                 b.race_lane_started.emit(rid, i, mode)
                 try:
                     lane = self._stream(rid, prompt, dict(params, mode=mode), f"race | {mode}",
-                                        on_text=lambda text, i=i: b.race_lane_text.emit(rid, i, text))
+                                        on_text=lambda text, i=i: b.race_lane_text.emit(rid, i, text),
+                                        prefix_cache=False)  # every lane prefills alike: a fair race
                     lane["mode_requested"] = mode
                 except _Cancelled:
                     lane = {"mode": mode, "error": "cancelled"}

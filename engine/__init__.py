@@ -2,11 +2,13 @@
 
 Three layers; imports point down only (``tests/test_layout.py`` checks it):
 
-* core: ``target`` (the model wrapper: taps, forward, prefill), ``caches`` (cache transactions),
-  ``recurrent`` (rewinding recurrent state), ``shapes`` (stable attention/verify shapes on CUDA),
-  ``sampling``, ``speculative`` (the one verify loop), ``detokenize``, ``drafters/`` (one small class
-  per drafter behind ``drafters.base.Drafter``), and model loading (``loading``, ``gguf``, ``starter``);
-* orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``modes``, ``registry``,
+* core: ``target`` (the model wrapper: taps, forward, prefill), ``compiled`` (its compiled small
+  forwards), ``caches`` (cache transactions), ``recurrent`` (rewinding recurrent state), ``shapes``
+  (stable attention/verify shapes on CUDA), ``sampling``, ``speculative`` (the one verify loop),
+  ``detokenize``, ``drafters/`` (one small class per drafter behind ``drafters.base.Drafter``), model
+  loading (``loading``, ``gguf``, ``starter``) and ``platform`` + ``skinny_gemm`` (BLAS);
+* orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``prefix_cache`` +
+  ``prefix_disk`` (stored prompt prefixes, in memory and on disk), ``modes``, ``registry``,
   ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``warmup``, ``roofline``,
   ``benchmark`` + ``prompts`` (the shipped prompt sets), ``doctor``, ``options`` (the loading flags
   every front end shares) and ``api`` (the Python API);
@@ -14,8 +16,8 @@ Three layers; imports point down only (``tests/test_layout.py`` checks it):
   (``tandem train-drafter``); the desktop app (``app/``) sits beside them.
 
 Importing the package preloads OpenBLAS on Linux (when installed) so that MLX's CPU backend
-uses it instead of the reference BLAS its wheel ships; this must happen before the first
-``import mlx.core`` anywhere in the process.
+uses it instead of the reference BLAS its wheel ships, with ``skinny_gemm`` in front of it for
+products of 1-8 rows; this must happen before the first ``import mlx.core`` anywhere in the process.
 """
 
 from engine import platform as _platform

@@ -4,12 +4,16 @@
     >>> eng = tandem.load()                       # the starter model, offline
     >>> print(tandem.generate(eng, "Hello", mode="lookup").text)
     >>> for chunk in tandem.stream(eng, "Hello"): print(chunk.text, end="")
+    >>> chat = tandem.Session(eng, system="Answer briefly.")
+    >>> chat.send("Name a prime.").text; chat.send("Another one?").text   # turn 2 prefills only itself
+    >>> chat.edit(0, "Name an even prime."); chat.regenerate()
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
+from engine.errors import TandemError
 from engine.generate import Chunk, Engine, GenerationResult, Prompt
 
 
@@ -42,3 +46,87 @@ def generate(engine: Engine, prompt: Prompt, **kwargs: Any) -> GenerationResult:
 
 def stream(engine: Engine, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
     return engine.stream(prompt, **kwargs)
+
+
+class Session:
+    """A conversation that keeps its history. Every turn sends the whole history, and the engine's
+    prefix cache restores what earlier turns computed, so a turn prefills only its new tokens;
+    an edit or a regeneration reuses everything before the changed message.
+
+    ``defaults``: keyword arguments for every ``Engine.stream`` call (mode, max_new_tokens, ...)."""
+
+    def __init__(self, engine: Engine, system: str | None = None, **defaults: Any):
+        self.engine = engine
+        self.defaults = defaults
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+
+    @property
+    def turns(self) -> list[tuple[str, str | None]]:
+        """(user message, answer or None) per turn."""
+        out: list[tuple[str, str | None]] = []
+        for m in self.messages:
+            if m["role"] == "user":
+                out.append((m["content"], None))
+            elif m["role"] == "assistant" and out:
+                out[-1] = (out[-1][0], m["content"])
+        return out
+
+    def stream(self, text: str | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        """Add a user message (None: answer the history as it stands) and stream the answer, which
+        joins the history when the stream ends. A failed turn leaves the history as it was."""
+        if text is not None:
+            self.messages.append({"role": "user", "content": text})
+        if not self.messages or self.messages[-1]["role"] != "user":
+            raise TandemError("nothing to answer: the conversation does not end with a user message")
+        prompt, options = self._prompt()
+        result = None
+        try:
+            for chunk in self.engine.stream(prompt, **{**self.defaults, **options, **kwargs}):
+                if chunk.result is not None:
+                    result = chunk.result
+                yield chunk
+        finally:
+            if result is not None:
+                self.messages.append({"role": "assistant", "content": result.text})
+            elif text is not None:
+                self.messages.pop()
+
+    def send(self, text: str | None = None, **kwargs: Any) -> GenerationResult:
+        result = None
+        for chunk in self.stream(text, **kwargs):
+            if chunk.result is not None:
+                result = chunk.result
+        return result
+
+    def edit(self, turn: int, text: str, **kwargs: Any) -> GenerationResult:
+        """Replace the user message of ``turn`` (0-based; negative counts from the end), drop every
+        later message, and answer it again."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        try:
+            index = users[turn]
+        except IndexError:
+            raise TandemError(f"no turn {turn}: this conversation has {len(users)}") from None
+        return self._retry(index, text, **kwargs)
+
+    def regenerate(self, **kwargs: Any) -> GenerationResult:
+        """Answer the last user message again (its previous answer is dropped)."""
+        end = len(self.messages) - (1 if self.messages and self.messages[-1]["role"] == "assistant" else 0)
+        return self._retry(end, None, **kwargs)
+
+    def _retry(self, keep: int, text: str | None, **kwargs: Any) -> GenerationResult:
+        """Answer again from the first ``keep`` messages; the history is unchanged if that fails."""
+        saved = self.messages
+        self.messages = saved[:keep]
+        try:
+            return self.send(text, **kwargs)
+        except BaseException:
+            self.messages = saved
+            raise
+
+    def _prompt(self) -> tuple[Prompt, dict]:
+        """The history as chat messages, or as plain 'role: text' lines for a model without a
+        chat template."""
+        if getattr(self.engine.tokenizer, "chat_template", None):
+            return [dict(m) for m in self.messages], {}
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in self.messages) + "assistant:"
+        return text, {"chat_template": False}

@@ -11,16 +11,16 @@ exact floating-point near-tie (acceptable) from a bug.
 The prompt sets ship with the product (``engine/prompts.py``: the chat/code/math classes and
 Spec-Bench's categories); a multi-turn prompt's first turn is answered by the target's own greedy
 output (untimed) and every arm is timed on the last turn of that same conversation.
+
+``--multi-turn`` (``run_multi_turn``) measures the prefix cache instead: the later turns of
+mt-bench conversations, time to first token with the earlier turns restored vs prefilled.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from engine.errors import TandemError
@@ -205,7 +205,8 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
     done = 0
 
     def gen(arm: Arm, ids: list[int], n: int) -> "GenerationResult":
-        return engine.generate(ids, mode=arm.mode, max_new_tokens=n, max_draft=arm.cap)
+        # Every run prefills its prompt (the prefix cache would restore it from the arm before).
+        return engine.generate(ids, mode=arm.mode, max_new_tokens=n, max_draft=arm.cap, prefix_cache=False)
 
     def tick(label: str) -> None:
         nonlocal done
@@ -322,6 +323,80 @@ def conversation(engine: "Engine", turns: Turns, max_new_tokens: int) -> list[di
         answer = engine.generate(messages, mode="baseline", max_new_tokens=max_new_tokens).text
         messages.append({"role": "assistant", "content": answer})
     return messages + [{"role": "user", "content": turns.turns[-1]}]
+
+
+# ===================================================================== multi-turn (prefix cache)
+def run_multi_turn(engine: "Engine", conversations: Sequence[Sequence[str]], modes: Sequence[str], *,
+                   trials: int = 3, max_new_tokens: int = 128,
+                   progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Later turns of each conversation with the prefix cache (warm: the turns before were just
+    answered) and without it (cold: prefilled from token 0). Reports time to first token, the
+    prompt tokens restored, and whether both gave the same tokens (the lossless check)."""
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise TandemError(f"--multi-turn needs a chat model: {engine.name} has no chat template")
+    if engine.prefix_cache is None:
+        raise TandemError("--multi-turn compares runs with and without the prefix cache: drop --no-prefix-cache")
+    if trials < 1 or max_new_tokens < 2:
+        raise TandemError("benchmark needs --trials >= 1 and --max-new-tokens >= 2")
+    total = len(modes) * len(conversations) * trials
+    done = 0
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    divergences = []
+    for trial in range(trials):
+        for mode in modes:
+            for j, turns in enumerate(conversations):
+                engine.clear_prefix_cache()
+                messages: list[dict] = []
+                for t, text in enumerate(turns):
+                    messages.append({"role": "user", "content": text})
+                    ids = engine.encode(messages)
+                    if t == 0:
+                        answer = engine.generate(ids, mode=mode, max_new_tokens=max_new_tokens)
+                    else:  # alternate which runs first: a busy machine slows both alike
+                        order = (True, False) if (trial + j) % 2 == 0 else (False, True)
+                        got = {use: engine.generate(ids, mode=mode, max_new_tokens=max_new_tokens, prefix_cache=use)
+                               for use in order}
+                        warm, cold = got[True], got[False]
+                        runs[mode].append({"conversation": j, "turn": t + 1, "trial": trial, "prompt_tokens": len(ids),
+                                           "cached_tokens": warm.cached_tokens, "ttft_warm_s": warm.ttft_s,
+                                           "ttft_cold_s": cold.ttft_s, "same": warm.token_ids == cold.token_ids})
+                        bad = check_lossless(engine, ids, cold.token_ids, warm.token_ids, mode)
+                        if bad is not None:
+                            bad.update(trial=trial, prompt=j, cls=f"turn {t + 1}")
+                            divergences.append(bad)
+                        answer = warm
+                    messages.append({"role": "assistant", "content": answer.text})
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{mode} conversation {j}")
+    arms = {}
+    for mode, rs in runs.items():
+        arms[mode] = {
+            "ttft_cold_s": statistics.median(r["ttft_cold_s"] for r in rs),
+            "ttft_warm_s": statistics.median(r["ttft_warm_s"] for r in rs),
+            "ratio": statistics.median(r["ttft_warm_s"] / r["ttft_cold_s"] for r in rs if r["ttft_cold_s"] > 0),
+            "prompt_tokens": statistics.median(r["prompt_tokens"] for r in rs),
+            "cached_tokens": statistics.median(r["cached_tokens"] for r in rs),
+            "lossless": not any(d["arm"] == mode for d in divergences), "runs": rs,
+        }
+    return {**stamp(engine), "trials": trials, "max_new_tokens": max_new_tokens, "conversations": len(conversations),
+            "arms": arms, "lossless": not divergences, "divergences": divergences}
+
+
+def format_multi_turn(report: dict) -> str:
+    lines = [f"{report['model']} on {report['device']} ({report['backend']}, MLX {report['mlx']}) | "
+             f"{report['conversations']} conversations x {report['trials']} trials, later turns, "
+             f"{report['max_new_tokens']} new tokens",
+             f"{'mode':<12}{'prompt tok':>11}{'cached':>8}{'TTFT cold':>11}{'TTFT warm':>11}{'warm/cold':>11}  lossless"]
+    for mode, a in report["arms"].items():
+        lines.append(f"{mode:<12}{a['prompt_tokens']:>11.0f}{a['cached_tokens']:>8.0f}{a['ttft_cold_s']:>10.3f}s"
+                     f"{a['ttft_warm_s']:>10.3f}s{a['ratio']:>11.3f}  {'yes' if a['lossless'] else 'NO'}")
+    lines.append("medians over runs; warm: the earlier turns restored from the prefix cache; cold: prefilled from token 0")
+    for d in report["divergences"]:
+        kind = "near-tie" if d["near_tie"] else "MISMATCH"
+        lines.append(f"divergence ({kind}): {d['arm']} conversation {d['prompt']} {d['cls']} trial {d['trial']} at token "
+                     f"{d['index']}: cold {d['baseline_token']} vs warm {d['arm_token']}; margin {d['margin']:.3g}")
+    return "\n".join(lines)
 
 
 def _static(cal: Any) -> int:

@@ -106,6 +106,18 @@ def _cache_row() -> str:
     return f"{root} ({n} converted model{'s' if n != 1 else ''})"
 
 
+def _prefix_cache_row() -> str:
+    from engine.prefix_cache import MEMORY_FRACTION, default_memory_bytes
+    from engine.prefix_disk import default_dir
+
+    root = default_dir()
+    files = [p for p in root.rglob("*.safetensors") if not p.name.startswith(".")] if root.is_dir() else []
+    size = sum(p.stat().st_size for p in files)
+    return (f"{_gib(default_memory_bytes())} in memory ({MEMORY_FRACTION:.0%} of {_gib(platform.available_memory_bytes())} "
+            f"available; --prefix-cache-mb); disk tier with --prefix-cache-dir: {root} ({len(files)} entries, "
+            f"{size / 2**20:.0f} MiB)")
+
+
 def _hf_cache_row() -> str:
     from huggingface_hub import constants
 
@@ -123,12 +135,14 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("Memory", lambda: _gib(platform.memory_bytes())),
     ("BLAS preload", _blas_row),
     ("BLAS mapped", _blas_mapped_row),
+    ("Skinny matmuls", lambda: platform.blas_status().skinny),
     ("sgemm check", _sgemm_row),
     ("Weights dtype", _dtype_row),
     ("KV cache bits", _kv_bits_row),
     ("Recurrent rollback", _rollback_row),
     ("Built-in models", _starter_row),
     ("Converted cache", _cache_row),
+    ("Prefix cache", _prefix_cache_row),
     ("HF cache", _hf_cache_row),
 ]
 

@@ -2,11 +2,13 @@
 
 ``Engine.stream`` turns a prompt (text, chat messages or token ids) into chunks of text as the
 loop commits tokens, applies stop strings and cancellation, and ends with a ``GenerationResult``.
-All MLX work happens in the thread that iterates the stream.
+All MLX work happens in the thread that iterates the stream. A prompt that starts like an earlier
+sequence resumes from its stored state (``engine/prefix_cache.py``): nothing to ask for.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -15,9 +17,12 @@ from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
+from engine.prefix_cache import PrefixCache
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
+
+log = logging.getLogger("tandem")
 
 MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash", "eagle3", "mtp")
 
@@ -39,6 +44,7 @@ class GenerationResult:
     token_times: list[float] = field(default_factory=list)  # seconds since the request began
     note: str | None = None  # why --mode auto ran baseline, when it had to
     caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
 
     @property
     def generated(self) -> int:
@@ -75,7 +81,8 @@ class GenerationResult:
     def summary(self) -> str:
         return (
             f"{self.generated} tokens | {self.decode_tps:.1f} tok/s decode | prefill {self.prompt_tokens} tok "
-            f"in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} | accept/round {self.mean_accepted:.2f} "
+            f"({self.cached_tokens} cached) in {self.prefill_s:.2f}s | mode {self.mode} cap {self.cap} "
+            f"| accept/round {self.mean_accepted:.2f} "
             f"| {self.target_forwards} target forwards | {self.finish_reason}"
             + (f" | {self.note}" if self.note else "")
         )
@@ -87,6 +94,7 @@ class GenerationResult:
             "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "accept_per_round": round(self.mean_accepted, 3), "drafted": self.drafted, "accepted": self.accepted,
             "target_forwards": self.target_forwards, "finish_reason": self.finish_reason, "note": self.note,
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -119,6 +127,7 @@ class Engine:
         self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
         self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
+        self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
@@ -128,6 +137,22 @@ class Engine:
         self.notes = [n for n in self.notes if not n.startswith("--kv-bits")] + ([why] if why else [])
         self.target.set_kv_bits(bits)
         self.kv_bits = bits
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def configure_prefix_cache(self, enabled: bool = True, *, memory_mb: float | None = None,
+                               disk_dir: str | None = None, disk_mb: float | None = None) -> None:
+        """Memory budget (None: a quarter of the memory available), optional disk tier."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
+        self.prefix_cache = None
+        if enabled:
+            self.prefix_cache = PrefixCache(None if memory_mb is None else int(memory_mb * 2**20), disk_dir=disk_dir,
+                                            disk_bytes=None if disk_mb is None else int(disk_mb * 2**20))
+
+    def clear_prefix_cache(self) -> None:
+        """Release the stored prefixes held in memory (a new chat, another model)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
@@ -208,6 +233,7 @@ class Engine:
         on_round: Callable[[RoundEvent], None] | None = None,
         cancel: Callable[[], bool] | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
+        prefix_cache: bool = True,
     ) -> Iterator[Chunk]:
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -236,8 +262,11 @@ class Engine:
         t0 = time.perf_counter()
         t_first = None
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
+        store = self.prefix_cache if prefix_cache else None
+        plan = store.plan(self.target, drafter, prompt_ids) if store is not None else None
         steps = decode(self.target, drafter, prompt_ids, sampler, max_new_tokens=max_new_tokens, eos_ids=eos,
-                       cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress)
+                       cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress,
+                       resume=plan.resume if plan else None, on_prefill=plan.on_prefill if plan else None)
         stopped = False
         try:
             for new, event in steps:
@@ -261,6 +290,8 @@ class Engine:
                     break
         finally:
             steps.close()
+            if plan is not None:  # also after a cancelled prefill: the chunks done are kept
+                self._remember(store, plan, stats, drafter)
         if not stopped:
             text, _ = stops.feed(detok.flush())
             tail = text + stops.flush()
@@ -274,15 +305,28 @@ class Engine:
         yield Chunk(result=GenerationResult(
             text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
             prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
-            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps))
+            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps,
+            cached_tokens=stats.cached_tokens))
+        if store is not None:
+            store.flush()  # the disk tier's write, once the reply is out
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
-        for chunk in self.stream(prompt, **kwargs):
+        result = None
+        for chunk in self.stream(prompt, **kwargs):  # to the end: the stream's last step writes the disk tier
             if chunk.result is not None:
-                return chunk.result
-        raise RuntimeError("stream ended without a result")  # unreachable
+                result = chunk.result
+        if result is None:
+            raise RuntimeError("stream ended without a result")  # unreachable
+        return result
 
     # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _remember(store: PrefixCache, plan: Any, stats: DecodeStats, drafter: Drafter | None) -> None:
+        try:
+            store.remember(plan, stats, drafter)
+        except Exception:  # the reply (or the error being raised) matters more than the cache
+            log.exception("prefix cache: could not keep this sequence")
+
     def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None,
                     seeded: bool = False) -> tuple[CapPolicy, int | str]:
         if drafter is None:

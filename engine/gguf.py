@@ -27,6 +27,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from engine.errors import TandemError
+from engine.paths import cache_root  # noqa: F401  (also imported from here by callers)
 
 try:
     import fcntl
@@ -455,14 +456,6 @@ def assemble_parts(parts: Sequence[PathLike], dest: PathLike, expected_size: Opt
 
 
 # --------------------------------------------------------------------------- cache
-
-
-def cache_root() -> Path:
-    """Tandem's cache folder: ``$TANDEM_CACHE_DIR`` or ``$XDG_CACHE_HOME/tandem`` (~/.cache/tandem)."""
-    if env := os.environ.get("TANDEM_CACHE_DIR"):
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "tandem"
 
 
 def converted_root() -> Path:

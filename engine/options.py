@@ -50,6 +50,18 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """The prefix cache: stored prompt prefixes are restored instead of prefilled again."""
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt from its first token (no reuse across turns and requests)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
+                   help="memory for stored prefixes (default: a quarter of the memory available at start)")
+    p.add_argument("--prefix-cache-dir", nargs="?", const="", default=None, metavar="DIR",
+                   help="also keep prefixes on disk, across restarts (default folder: ~/.cache/tandem/prefix)")
+    p.add_argument("--prefix-cache-disk-mb", type=float, default=None, metavar="MB",
+                   help="size cap of the disk tier (default 4096)")
+
+
 def parse_max_draft(value: str) -> int | str:
     if value == "auto":
         return value
@@ -77,9 +89,36 @@ def warm_up(engine: "Engine", modes: list[str]) -> "Engine":
 def load_engine(args: argparse.Namespace) -> "Engine":
     from engine.api import load
 
-    return load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
-                drafter_bits=getattr(args, "drafter_bits", None),
-                confidence_threshold=getattr(args, "confidence_threshold", None),
-                confidence_rule=getattr(args, "confidence_rule", None), dtype=getattr(args, "dtype", None),
-                draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
-                kv_bits=getattr(args, "kv_bits", None))
+    check_prefix_cache_arguments(args)
+    engine = load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
+                  drafter_bits=getattr(args, "drafter_bits", None),
+                  confidence_threshold=getattr(args, "confidence_threshold", None),
+                  confidence_rule=getattr(args, "confidence_rule", None), dtype=getattr(args, "dtype", None),
+                  draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
+                  kv_bits=getattr(args, "kv_bits", None))
+    if hasattr(args, "no_prefix_cache"):
+        disk = args.prefix_cache_dir
+        if disk == "":
+            from engine.prefix_disk import default_dir
+
+            disk = str(default_dir())
+        engine.configure_prefix_cache(not args.no_prefix_cache, memory_mb=args.prefix_cache_mb, disk_dir=disk,
+                                      disk_mb=args.prefix_cache_disk_mb)
+    return engine
+
+
+def check_prefix_cache_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad prefix cache flags before a model loads."""
+    from engine.errors import TandemError
+
+    for flag in ("prefix_cache_mb", "prefix_cache_disk_mb"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            raise TandemError(f"--{flag.replace('_', '-')} must be >= 0, got {value:g}")
+    folder = getattr(args, "prefix_cache_dir", None)
+    if folder:
+        from pathlib import Path
+
+        path = Path(folder).expanduser()
+        if path.exists() and not path.is_dir():
+            raise TandemError(f"--prefix-cache-dir {folder}: not a folder")

@@ -4,6 +4,8 @@
 anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
 OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
 (dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
+Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-8 rows (a decode
+step, a verify round): OpenBLAS's gemm packs the weights first and is 2-3x slower there.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ OPENCV_OPENBLAS_GLOB = "opencv_python.libs/libopenblasp-r0-*.so*"
 @dataclass(frozen=True)
 class BlasStatus:
     """What ``preload_blas`` did. ``state`` is one of: preloaded, already-mapped, late,
-    not-found, disabled, failed, not-linux."""
+    not-found, disabled, failed, not-linux. ``skinny``: "on" when 1-8-row matmuls bypass
+    OpenBLAS's gemm (``engine.skinny_gemm``), else "off: <why>"."""
 
     state: str
     path: Optional[str]
     reason: str
+    skinny: str = "off"
 
     @property
     def ok(self) -> bool:
@@ -45,6 +49,7 @@ class BlasStatus:
 
 _BLAS_STATUS: Optional[BlasStatus] = None
 _BLAS_HANDLE: Optional[ctypes.CDLL] = None  # keep the library referenced for the process life
+_SKINNY_HANDLE: Optional[ctypes.CDLL] = None
 
 
 def _openblas_candidates() -> list[str]:
@@ -86,7 +91,8 @@ def _preload_blas() -> BlasStatus:
         return BlasStatus("disabled", None, "TANDEM_NO_OPENBLAS is set")
     mapped = [p for p in mapped_blas_libraries() if "openblas" in os.path.basename(p).lower()]
     if mapped:  # LD_PRELOAD or an earlier load already put it in the global scope
-        return BlasStatus("already-mapped", mapped[0], "OpenBLAS was already loaded (LD_PRELOAD?)")
+        return BlasStatus("already-mapped", mapped[0], "OpenBLAS was already loaded (LD_PRELOAD?)",
+                          "off: OpenBLAS was in the global scope first")
     late = "mlx.core" in sys.modules
     candidates = _openblas_candidates()
     if not candidates:
@@ -98,10 +104,12 @@ def _preload_blas() -> BlasStatus:
     errors = []
     for path in candidates:
         try:
-            _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)  # loads at all? (then engine.skinny_gemm goes first)
         except OSError as e:
             errors.append(f"{path}: {e}")
             continue
+        skinny = "off: mlx.core was imported first" if late else _install_skinny(path)
+        _BLAS_HANDLE = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         if late:
             # Loaded anyway (lazy binding may still pick it up), but nothing guarantees it.
             return BlasStatus(
@@ -109,9 +117,33 @@ def _preload_blas() -> BlasStatus:
                 path,
                 "mlx.core was imported before engine, so MLX most likely keeps its reference BLAS "
                 "(import engine first or set LD_PRELOAD)",
+                skinny,
             )
-        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core")
+        return BlasStatus("preloaded", path, "loaded with RTLD_GLOBAL before mlx.core", skinny)
     return BlasStatus("failed", None, "; ".join(errors))
+
+
+def _install_skinny(openblas_path: str) -> str:
+    """Put engine.skinny_gemm's ``cblas_sgemm`` in the global scope ahead of OpenBLAS's."""
+    global _SKINNY_HANDLE
+    from engine.skinny_gemm import install
+
+    _SKINNY_HANDLE, why = install(openblas_path)
+    return "on" if _SKINNY_HANDLE is not None else f"off: {why}"
+
+
+def skinny_active() -> bool:
+    """Whether 1-8-row matmuls bypass OpenBLAS's gemm right now (costs differ: calibrations key on it)."""
+    return _SKINNY_HANDLE is not None and bool(_SKINNY_HANDLE.tandem_skinny_enabled())
+
+
+def skinny_matmuls(on: bool) -> bool:
+    """Switch engine.skinny_gemm on or off at run time (benchmarks compare both in one process).
+    Returns whether it is on now; always False where it was not installed."""
+    if _SKINNY_HANDLE is None:
+        return False
+    _SKINNY_HANDLE.tandem_skinny_enable(int(bool(on)))
+    return skinny_active()
 
 
 def blas_status() -> BlasStatus:
@@ -203,3 +235,38 @@ def memory_bytes() -> int:
         if limit.isdigit() and 0 < int(limit) < total:
             total = int(limit)
     return total
+
+
+def available_memory_bytes() -> int:
+    """Memory this process could still take without swapping: MemAvailable on Linux (within a
+    cgroup limit), free + inactive pages on macOS; half the total when neither can be read."""
+    total = memory_bytes()
+    free = 0
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        free = int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError, IndexError):
+            pass
+        try:
+            with open("/sys/fs/cgroup/memory.max") as f:
+                limit = f.read().strip()
+            with open("/sys/fs/cgroup/memory.current") as f:
+                used = int(f.read().strip())
+            if limit.isdigit():
+                free = min(free or total, max(0, int(limit) - used))
+        except (OSError, ValueError):
+            pass
+    elif sys.platform == "darwin":
+        try:
+            out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=5).stdout
+            page = int(out.split("page size of")[1].split()[0]) if "page size of" in out else 4096
+            pages = {k.strip(): int(v.strip().rstrip(".")) for k, v in
+                     (line.split(":", 1) for line in out.splitlines()[1:] if ":" in line) if v.strip().rstrip(".").isdigit()}
+            free = page * sum(pages.get(k, 0) for k in ("Pages free", "Pages inactive", "Pages speculative"))
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            pass
+    return free if free > 0 else total // 2

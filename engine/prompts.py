@@ -112,6 +112,13 @@ def load_spec_bench(categories: Sequence[str] | None = None, per_category: int =
     return out
 
 
+def load_conversations(n: int = 3, folder: Path | None = None) -> list[list[str]]:
+    """The user turns of the first ``n`` chat prompts with two or more of them (MT-Bench has two
+    each): the later turns measure the prefix cache (``tandem benchmark --multi-turn``)."""
+    rows = (row["turns"] for row in _rows((folder or prompts_dir()) / CLASSES["chat"]))
+    return list(islice((turns for turns in rows if len(turns) >= 2), n))
+
+
 def calibration_texts(per_class: int = 1, folder: Path | None = None) -> list[str]:
     """A few real prompts (first turns of each class) for measurements that need real text."""
     return [text for _, text in load_prompts(tuple(CLASSES), per_class, folder)]

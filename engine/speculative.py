@@ -20,6 +20,10 @@ their rows with the rejected drafts.
 
 Round times (``CapPolicy.observe``) are wall time from one emitted round to the next, so a
 plain step and a round are priced alike, including the consumer's share between them.
+
+A sequence may start from a ``Resume`` (a prefix cache hit: the target's caches already hold the
+prompt's first tokens) and prefill only the rest. ``DecodeStats`` says at every yield which
+tokens the target's caches hold, so the caller can keep them for the next prompt.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
-from engine.drafters.base import Drafter
+from engine.drafters.base import Drafter, DrafterState
 from engine.sampling import Sampler, accept_greedy, accept_sampled
 from engine.target import Target
 
@@ -82,6 +86,16 @@ PLAIN_FOREVER = 1 << 40
 
 
 @dataclass
+class Resume:
+    """Start after a restored prefix instead of token 0."""
+
+    cache: list  # the target's caches holding the prompt's first ``cached`` tokens (the loop writes them)
+    cached: int
+    logits: mx.array | None = None  # the row after those tokens: needed when they are the whole prompt
+    drafter_state: DrafterState | None = None  # for ``Drafter.resume``
+
+
+@dataclass
 class DecodeStats:
     prefill_s: float = 0.0
     prompt_tokens: int = 0
@@ -89,6 +103,14 @@ class DecodeStats:
     caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
     target_forwards: int = 0
     finish_reason: str = "length"
+    cached_tokens: int = 0  # prompt tokens restored instead of prefilled
+    # What the target's caches hold at each yield: the first ``cache_len`` tokens of ``ids``
+    # (prompt + committed). ``drafter_ready``: the drafter has seen the sequence (its state is this one's).
+    ids: list[int] = field(default_factory=list)
+    cache: list | None = None
+    cache_len: int = 0
+    prompt_logits: mx.array | None = None  # the row after the prompt
+    drafter_ready: bool = False
 
 
 def decode(
@@ -104,13 +126,17 @@ def decode(
     mode: str = "",
     prefill_progress: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] | None = None,
+    resume: Resume | None = None,
+    on_prefill: Callable[[int, list], None] | None = None,
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
     EOS is never yielded; a stop inside an accepted block truncates the block. The caller may
     stop iterating at any time (stop strings, cancel); nothing needs cleaning up. ``clock``:
     the time source for events and the cap policy (default ``time.perf_counter``; tests drive
-    a cost model through it).
+    a cost model through it). ``on_prefill(n, cache)``: called when the caches hold the prompt's
+    first n tokens (after a restore, after each prefill chunk), before anything else is written
+    to them.
     """
     clock = clock or time.perf_counter
     stats = stats if stats is not None else DecodeStats()
@@ -123,10 +149,26 @@ def decode(
     stats.prompt_tokens = len(prompt_ids)
 
     t0 = clock()
-    cache = target.new_cache()
-    logits, hidden = target.prefill(prompt_ids, cache, tap=tap, progress=prefill_progress)
+    cached = resume.cached if resume is not None else 0
+    cache = resume.cache if resume is not None else target.new_cache()
+    stats.cache, stats.cached_tokens, stats.ids = cache, cached, list(prompt_ids)
+
+    def prefilled(done: int, total: int) -> None:
+        stats.cache_len = cached + done
+        if on_prefill is not None:
+            on_prefill(stats.cache_len, cache)
+        if prefill_progress is not None:
+            prefill_progress(done, total)
+
+    prefilled(0, len(prompt_ids) - cached)
+    if cached < len(prompt_ids):
+        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached)
+    else:  # the whole prompt was restored, with the row after it
+        logits, hidden = resume.logits, None
+    stats.prompt_logits = logits
     first = sampler.pick(logits)
-    ids = list(prompt_ids) + [first.item()]
+    ids = stats.ids
+    ids.append(first.item())
     stats.prefill_s = clock() - t0
     t_start = clock()
     generated = 0
@@ -160,20 +202,24 @@ def decode(
         return
 
     if drafter is None:
-        for out, event, done, _ in _plain_run(target, cache, ids, sampler, PLAIN_FOREVER, False, emit):
+        for out, event, done, _ in _plain_run(target, cache, ids, sampler, PLAIN_FOREVER, False, emit, stats):
             yield out, event
             if done:
                 return
         return  # unreachable: a plain run ends at a stop
 
-    drafter.begin(prompt_ids, hidden)
+    if cached:
+        drafter.resume(prompt_ids, cached, resume.drafter_state, hidden)
+    else:
+        drafter.begin(prompt_ids, hidden)
+    stats.drafter_ready = True
     t_last = clock()  # end of the last emitted round: rounds are timed emit to emit
     while True:
         remaining = max_new_tokens - generated
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
         if cap == 0:
             run = max(1, min(_plain_run_length(cap_policy), remaining))
-            for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit):
+            for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit, stats):
                 drafter.commit(ids, 1, hidden)
                 now = clock()
                 cap_policy.observe(0, 0, now - t_last)
@@ -206,6 +252,7 @@ def decode(
         txn.commit(n + 1)
         t_end = clock()
         ids.extend(committed)
+        stats.cache_len = len(ids) - 1  # all but the new anchor
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
         out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
                                 (draft.source or drafter.name) if k else "")
@@ -222,10 +269,12 @@ def _plain_run_length(policy: CapPolicy) -> int:
     return int(run()) if run is not None else 1
 
 
-def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n: int, tap: bool, emit) -> Iterator:
+def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n: int, tap: bool, emit,
+               stats: DecodeStats) -> Iterator:
     """``n`` plain target steps from the anchor ``ids[-1]``, each forward queued before the
     previous token is read back. Appends each token to ``ids`` and yields (tokens, event, done,
-    tapped row of the token fed before it). The last token is not fed: it is the next anchor."""
+    tapped row of the token fed before it). The last token is not fed: it is the next anchor.
+    ``stats.cache_len`` follows what the caches hold: a queued forward has fed the yielded token."""
 
     def queue(token: mx.array) -> tuple[mx.array, mx.array | None]:
         logits, hidden = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True, tap=tap)
@@ -237,6 +286,7 @@ def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n:
     for i in range(n):
         following = queue(y) if i + 1 < n else None
         ids.append(y.item())
+        stats.cache_len = len(ids) if following is not None else len(ids) - 1  # a queued forward fed y
         out, event, done = emit([ids[-1]], 0, 0, 0)
         yield out, event, done, hidden
         if done or following is None:

@@ -27,8 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import caches, recurrent
+from engine import caches, compiled, recurrent
 from engine.errors import TandemError
+from engine.platform import backend
 from engine.shapes import ShapePolicy, default_policy, stabilize
 
 PROBE_TOLERANCE = 1e-3
@@ -114,6 +115,8 @@ class Target:
         except Exception:  # a model whose trunk has a different signature: use the full call
             self._split = False
         self.vocab_size = int(reference.shape[-1])
+        self._switch = compiled.Switch()
+        self.compiled_off = self._install_compiled()  # why small forwards run uncompiled ("" = they don't)
         if self.recorder is not None:
             self._blocker = self._prove_rollback()
         self.set_shapes(default_policy() if shapes == "default" else shapes)
@@ -132,6 +135,27 @@ class Target:
         out = self.head(self.trunk(ids, make_prompt_cache(self.model)))
         mx.eval(out)
         return out
+
+    def _install_compiled(self) -> str:
+        """Compiled norms and ropes for small forwards (engine.compiled), kept only when the
+        logits of a prefill, a step and a verify are bit-identical to the plain forward's."""
+        if backend() != "cpu":  # Metal/CUDA run mx.fast's fused kernels; a compiled wrapper only adds calls
+            return f"not needed on {backend()}"
+        swapped = compiled.swap_modules(self.model, self._switch)
+        if not swapped:
+            return "no plain RMSNorm or RoPE modules to compile"
+
+        probe = self._probe_ids()
+
+        def forward() -> mx.array:  # a prefill, a step and a verify, on one cache
+            cache = make_prompt_cache(self.model)
+            rows = [self.model(ids, cache=cache)[0] for ids in (probe, probe[:, :1], probe[:, 1:])]
+            return mx.concatenate(rows, axis=0)
+
+        why = compiled.probe(forward, self._switch)
+        if why:
+            compiled.restore(swapped)
+        return why
 
     def head(self, h: mx.array) -> mx.array:
         outer = getattr(self.model, "language_model", self.model)  # VLM-style wrappers (Qwen3.5)
@@ -264,6 +288,7 @@ class Target:
         self.forwards += 1
         self._sink.enabled = tap and bool(self.tap_layers)
         self._sink.outputs = {}
+        self._switch.set(not self.compiled_off and ids.shape[1] <= compiled.MAX_WIDTH)
         try:
             if self._split:
                 h = self.trunk(ids, cache)
@@ -278,23 +303,30 @@ class Target:
         finally:
             self._sink.enabled = False
             self._sink.outputs = {}
+            self._switch.set(False)
         return logits[0], hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
-                progress: Any = None) -> tuple[mx.array, mx.array | None]:
+                progress: Any = None, offset: int = 0) -> tuple[mx.array, mx.array | None]:
         """Run the prompt through the target in chunks (bounded memory). Returns the last
-        row's logits [V] and, when tapping, hidden states for every prompt row."""
+        row's logits [V] and, when tapping, hidden states for every prompt row.
+
+        ``offset``: tokens ``cache`` already holds (a restored prefix). Chunks end at multiples of
+        ``chunk`` counted from token 0: after a restored prefix, chunk boundaries fall where a
+        prefill from token 0 puts them."""
         ids = list(ids)
         hiddens = []
         logits = None
-        for start in range(0, len(ids), chunk):
-            part = mx.array([ids[start : start + chunk]])
+        first = min(len(ids), chunk - offset % chunk)
+        bounds = [0] + list(range(first, len(ids), chunk)) + [len(ids)]
+        for start, end in zip(bounds, bounds[1:]):
+            part = mx.array([ids[start:end]])
             logits, hidden = self.forward(part, cache, last_only=True, tap=tap)
             if hidden is not None:
                 hiddens.append(hidden)
             mx.eval(logits, *(c.state for c in cache if hasattr(c, "state")), *(hiddens[-1:] if hiddens else []))
             if progress is not None:
-                progress(min(start + chunk, len(ids)), len(ids))
+                progress(end, len(ids))
         hidden = mx.concatenate(hiddens, axis=0) if hiddens else None
         return logits[-1], hidden
 

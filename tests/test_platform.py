@@ -96,6 +96,7 @@ def test_backend_facts():
     assert platform.prefers_dense_float32() is (platform.backend() == "cpu")
     assert platform.device_name().strip()
     assert platform.memory_bytes() > 256 * 2**20
+    assert 0 < platform.available_memory_bytes() <= platform.memory_bytes()
     if LINUX and platform.backend() == "cpu":
         assert f"({os.cpu_count()} cores)" in platform.device_name()
 
@@ -103,7 +104,7 @@ def test_backend_facts():
 def test_doctor_report():
     rows = dict(doctor.doctor_report())
     for label in ("Python", "mlx", "mlx-lm", "Backend", "Device", "Memory", "BLAS preload", "BLAS mapped",
-                  "sgemm check", "Weights dtype", "Built-in models", "Converted cache", "HF cache"):
+                  "sgemm check", "Weights dtype", "Built-in models", "Converted cache", "Prefix cache", "HF cache"):
         assert label in rows and rows[label] and not rows[label].startswith("error"), (label, rows.get(label))
     assert rows["Backend"] == platform.backend()
     assert rows["BLAS preload"].startswith(platform.blas_status().state)

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from engine.benchmark import format_report, make_arms, parse_caps, run_benchmark
-from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_prompts, load_spec_bench
+from engine.benchmark import format_multi_turn, format_report, make_arms, parse_caps, run_benchmark, run_multi_turn
+from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_conversations, load_prompts, load_spec_bench
 from engine.calibrate import tqdm_progress
 from engine.errors import TandemError
 from engine.generate import MODES
@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR, "
                                                        "else the prompts shipped with Tandem)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
+                        "time to first token with the earlier turns restored vs prefilled from token 0, per mode")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
     if args.prompts_per_class < 1:
         raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
+    if args.multi_turn:
+        return _multi_turn(args, modes)
     classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
     folder = Path(args.prompts_dir) if args.prompts_dir else None
     if args.suite == "spec-bench":
@@ -64,6 +69,23 @@ def run(args: argparse.Namespace) -> int:
         close()
     report["suite"] = args.suite
     print(format_report(report))
+    return _finish(args, report)
+
+
+def _multi_turn(args: argparse.Namespace, modes: list[str]) -> int:
+    conversations = load_conversations(args.prompts_per_class, Path(args.prompts_dir) if args.prompts_dir else None)
+    eng = load_engine(args)
+    progress, close = tqdm_progress(f"multi-turn {eng.name}")
+    try:
+        report = run_multi_turn(eng, conversations, modes, trials=args.trials, max_new_tokens=args.max_new_tokens,
+                                progress=progress)
+    finally:
+        close()
+    print(format_multi_turn(report))
+    return _finish(args, report)
+
+
+def _finish(args: argparse.Namespace, report: dict) -> int:
     if args.json:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).expanduser().write_text(json.dumps(report, indent=1))

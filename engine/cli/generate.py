@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from engine.generate import MODES
-from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft, warm_up
+from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments, load_engine,
+                            parse_max_draft, warm_up)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto' "
                         "(calibrated cost curves + live acceptance); default: the mode's calibrated-free default")
     add_sampling_arguments(p)
+    add_prefix_cache_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--json", action="store_true", help="print the result summary as JSON")

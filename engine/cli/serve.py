@@ -13,7 +13,8 @@ from typing import Any
 
 from engine.errors import TandemError
 from engine.generate import MODES
-from engine.options import add_model_arguments, add_sampling_arguments, load_engine, parse_max_draft, warm_up
+from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments,
+                            check_prefix_cache_arguments, load_engine, parse_max_draft, warm_up)
 from engine.serve.server import ServerConfig, TandemServer
 
 
@@ -63,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto'")
     add_sampling_arguments(p)
+    add_prefix_cache_arguments(p)
     p.add_argument("--max-tokens", type=int, default=1024, dest="default_max_tokens",
                    help="max new tokens when a request does not say (default 1024)")
     p.add_argument("--max-context", type=int, default=None,
@@ -79,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(f"--max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise TandemError(f"--seed must be between 0 and {2**64 - 1}, got {args.seed}")
+    check_prefix_cache_arguments(args)
     api_key = api_key_from(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"tandem: warning: listening on {args.host} without --api-key: anyone who can reach this "

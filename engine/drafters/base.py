@@ -6,12 +6,16 @@ cache (and its tapped hidden rows) cover ``ids[:-1]``. Each round the drafter pr
 to follow the anchor, the target verifies ``[anchor] + drafts`` in one forward, and the loop
 commits the accepted prefix plus one token of the target's own. A drafter never decides what
 is committed: it only changes how many target forwards the same output costs.
+
+A prefix cache (``engine/prefix_cache.py``) may start a sequence from a stored prefix instead of
+token 0: it keeps ``state()`` after a sequence and calls ``resume`` instead of ``begin`` on a
+prompt that shares those tokens. A drafter's state can only change its speed, never the output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 
@@ -33,6 +37,21 @@ class Draft:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+
+@dataclass
+class DrafterState:
+    """What a prefix cache keeps of a drafter after a sequence.
+
+    ``tokens``: how many leading tokens of that sequence it covers. ``tree``: arrays in nested
+    lists/dicts, with ints, strings or None beside them (saved to disk as is). The arrays must
+    be handles that later writes to the drafter's live buffers never reach. ``lookahead``: the
+    state after p tokens also read the next ones (a chain head's row t reads token t+1), so a
+    resume after p tokens needs ``p + lookahead`` tokens to match."""
+
+    tokens: int
+    tree: Any
+    lookahead: int = 0
 
 
 class Drafter:
@@ -65,3 +84,24 @@ class Drafter:
         """The loop committed tokens: ``ids`` is the full sequence now, the last ``n_new`` are
         new. ``hidden`` holds the tapped rows for the tokens the target just cached (the previous
         anchor and the accepted drafts: ``n_new`` rows) or None."""
+
+    @property
+    def needs_state(self) -> bool:
+        """Whether ``resume`` after a restored prefix needs a stored ``state()`` covering it: drafters
+        that read the target's hidden states (a restored target cache does not give them back)."""
+        return bool(self.tap_layers)
+
+    def state(self) -> DrafterState | None:
+        """The state after the committed tokens, for a prefix cache; None when there is nothing
+        worth keeping (``resume`` rebuilds it from the tokens)."""
+        return None
+
+    def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
+               hidden: mx.array | None) -> None:
+        """``begin`` for a sequence whose first ``cached`` prompt tokens the target restored
+        instead of prefilling: ``hidden`` holds the tapped rows of ``prompt_ids[cached:]`` only.
+        ``state``: what ``state()`` returned after an earlier sequence that starts with those
+        tokens, or None. The default rebuilds from the tokens (drafters that read no hidden states)."""
+        if self.tap_layers and cached:
+            raise RuntimeError(f"{self.name} drafter cannot resume after a restored prefix without its state")
+        self.begin(prompt_ids, hidden)

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from engine.drafters.base import Drafter
+from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
 
 if TYPE_CHECKING:
@@ -547,6 +547,29 @@ class BlockDrafter(Drafter):
         self._pending, self._drafting = [hidden], False
         self.context_len = int(hidden.shape[0])
         self._flush()
+        mx.eval(self._cache_state())
+
+    def state(self) -> DrafterState | None:
+        """The context K/V rows per layer (views: a later write reallocates or copies the buffer)."""
+        if not self.context_len:
+            return None
+        n = self.context_len
+        return DrafterState(n, [[kv.keys[..., :n, :], kv.values[..., :n, :]] for kv in self._caches])
+
+    def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
+               hidden: mx.array | None) -> None:
+        if not cached:
+            self.begin(prompt_ids, hidden)
+            return
+        if state is None or state.tokens < cached:
+            raise RuntimeError(f"{self.name} drafter: no stored context for the {cached} restored tokens")
+        self._caches = self.model.new_cache()
+        for kv, (keys, values) in zip(self._caches, state.tree):
+            kv.append(keys[..., :cached, :], values[..., :cached, :])  # into a new buffer
+        self.context_len = cached
+        for start in range(0, 0 if hidden is None else int(hidden.shape[0]), CONTEXT_CHUNK):
+            self._append(hidden[start : start + CONTEXT_CHUNK])
+            mx.eval(self._cache_state())
         mx.eval(self._cache_state())
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from engine import caches
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
 from engine.sampling import Sampler, sample_from, spread_to_vocab
 
@@ -105,6 +105,26 @@ class ChainDrafter(Drafter):
         self._caches = self.new_cache()
         self._fed, self._seed, self._pending = 0, None, hidden
         self._feed(prompt_ids)  # the last prompt row waits for the first generated token
+
+    def state(self) -> DrafterState | None:
+        """The committed rows. Row t also read token t+1: a resume after p tokens needs p + 1 to match."""
+        if not self._fed or self._pending is not None:
+            return None
+        return DrafterState(self._fed, caches.snapshot(self._caches), lookahead=1)
+
+    def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
+               hidden: mx.array | None) -> None:
+        if not cached:
+            self.begin(prompt_ids, hidden)
+            return
+        if hidden is None or state is None or state.tokens < cached:
+            raise RuntimeError(f"{self.name} drafter: no stored rows for the {cached} restored tokens")
+        self._caches = self.new_cache()
+        caches.restore(self._caches, state.tree)
+        for cache in self._caches:  # rows 0..cached-1: row cached-1 reads prompt token `cached`
+            caches.trim(cache, cache.offset - cached)
+        self._fed, self._seed, self._pending = cached, None, hidden
+        self._feed(prompt_ids)
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         if hidden is None or hidden.shape[0] == 0:

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
 from engine.sampling import Sampler
 
@@ -55,6 +55,10 @@ class DraftModelDrafter(Drafter):
         return None if reason is None else f"the draft model: {reason}"
 
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
+        self._reset()
+        self._feed(list(prompt_ids)[:-1])
+
+    def _reset(self) -> None:
         self._cache = make_prompt_cache(self.model)
         reason = caches.blocker(self._cache)
         if reason is not None:
@@ -63,24 +67,44 @@ class DraftModelDrafter(Drafter):
         self._cached = []
         self._savepoint = None
         self._uncommitted = mx.array([], dtype=mx.uint32)
-        # Prefill all but the last prompt token now (the loop's anchor is fed at proposal time).
-        head = list(prompt_ids)[:-1]
-        for start in range(0, len(head), 512):
-            self.model(mx.array([head[start : start + 512]]), cache=self._cache)
+
+    def _feed(self, tokens: list[int]) -> None:
+        """Prefill these tokens after the cached ones (all but the last prompt token: the loop's
+        anchor is fed at proposal time)."""
+        for start in range(0, len(tokens), 512):
+            self.model(mx.array([tokens[start : start + 512]]), cache=self._cache)
             mx.eval([c.state for c in self._cache])
-        self._cached = head
+        self._cached = self._cached + tokens
+
+    def state(self) -> DrafterState | None:
+        if not self._cache or self._uncommitted.size:
+            return None
+        return DrafterState(len(self._cached), {"cache": caches.snapshot(self._cache),
+                                                "ids": mx.array(self._cached, dtype=mx.uint32)})
+
+    def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
+               hidden: mx.array | None) -> None:
+        if state is None:
+            self.begin(prompt_ids, hidden)
+            return
+        self._reset()
+        caches.restore(self._cache, state.tree["cache"])
+        head = list(prompt_ids)[:-1]
+        stored = [int(t) for t in state.tree["ids"].tolist()]
+        keep = _common_prefix(stored, head)
+        if not caches.trimmable_to(self._cache, keep):  # e.g. a recurrent draft model past its state
+            self.begin(prompt_ids, hidden)
+            return
+        caches.trim_to(self._cache, keep)
+        self._cached = stored[:keep]
+        self._feed(head[keep:])
 
     def _sync(self, ids: Sequence[int]) -> list[int]:
         """Drop cached rows that are not a prefix of ``ids``; return the tokens still to feed."""
         if self._uncommitted.size:  # proposed again without a commit (calibration): the drafts are in
             self._cached += self._uncommitted.tolist()
             self._uncommitted = mx.array([], dtype=mx.uint32)
-        keep = 0
-        for a, b in zip(self._cached, ids):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)  # always feed at least the anchor
+        keep = min(_common_prefix(self._cached, ids), len(ids) - 1)  # always feed at least the anchor
         if keep < len(self._cached):
             if self._trims:
                 for c in caches.leaves(self._cache):
@@ -124,3 +148,12 @@ class DraftModelDrafter(Drafter):
         # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
         self._cached += self._uncommitted.tolist()
         self._uncommitted = mx.array([], dtype=mx.uint32)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.drafters.base import Draft, Drafter
+from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.drafters.lookup import LookupDrafter
 from engine.sampling import Sampler
 
@@ -58,3 +58,11 @@ class LookupFirst(Drafter):
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self.lookup.commit(ids, n_new, hidden)
         self.model_drafter.commit(ids, n_new, hidden)
+
+    def state(self) -> DrafterState | None:
+        return self.model_drafter.state()  # lookup's index is rebuilt from the tokens
+
+    def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
+               hidden: mx.array | None) -> None:
+        self.lookup.begin(prompt_ids, hidden)
+        self.model_drafter.resume(prompt_ids, cached, state, hidden)

@@ -192,7 +192,9 @@ class MessagesWriter:
         self._index = -1
 
     def _usage(self, r: Reply) -> dict:
-        return {"input_tokens": r.prompt_tokens, "output_tokens": r.completion_tokens}
+        # Anthropic counts cache reads apart: input_tokens are the prompt tokens computed anew.
+        return {"input_tokens": r.prompt_tokens - r.cached_tokens, "output_tokens": r.completion_tokens,
+                "cache_read_input_tokens": r.cached_tokens, "cache_creation_input_tokens": 0}
 
     def body(self, r: Reply) -> dict:
         return {"id": r.id, "type": "message", "role": "assistant", "model": r.model,

@@ -354,6 +354,11 @@ class Reply:
         return self.result.generated if self.result is not None else 0
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache restored instead of computing."""
+        return int(getattr(self.result, "cached_tokens", 0) or 0)
+
+    @property
     def finish(self) -> str:
         """"tool_calls", "stop_sequence", "stop" (EOS), "length" or "cancelled"."""
         if self.tool_calls:

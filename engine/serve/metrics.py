@@ -21,7 +21,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
-        self.totals = dict(prompt_tokens=0, generated_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
+        self.totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
                            drafted_tokens=0, accepted_tokens=0, rounds=0, target_forwards=0, generations=0,
                            cancelled=0, errors=0, events_dropped=0)
         self.last: dict[str, float] = dict(decode_tok_s=0.0, prefill_tok_s=0.0, accept_per_round=0.0)
@@ -59,6 +59,7 @@ class Metrics:
             t = self.totals
             t["generations"] += 1
             t["prompt_tokens"] += result.prompt_tokens
+            t["cached_tokens"] += getattr(result, "cached_tokens", 0)
             t["generated_tokens"] += result.generated
             t["prefill_seconds"] += result.prefill_s
             t["decode_seconds"] += result.decode_s
@@ -86,7 +87,9 @@ class Metrics:
             metric("generations_total", "counter", "generations finished (any finish reason)", [("", t["generations"])])
             metric("generations_cancelled_total", "counter", "generations cancelled (client gone)", [("", t["cancelled"])])
             metric("generation_errors_total", "counter", "generations that failed", [("", t["errors"])])
-            metric("prompt_tokens_total", "counter", "prompt tokens prefilled", [("", t["prompt_tokens"])])
+            metric("prompt_tokens_total", "counter", "prompt tokens (prefilled or restored)", [("", t["prompt_tokens"])])
+            metric("prompt_tokens_cached_total", "counter", "prompt tokens restored from the prefix cache",
+                   [("", t["cached_tokens"])])
             metric("generated_tokens_total", "counter", "tokens generated", [("", t["generated_tokens"])])
             metric("prefill_seconds_total", "counter", "seconds spent in prefill", [("", float(t["prefill_seconds"]))])
             metric("decode_seconds_total", "counter", "seconds spent decoding", [("", float(t["decode_seconds"]))])

@@ -193,7 +193,8 @@ def _finish(reply: Reply) -> str:
 
 def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": reply.completion_tokens,
-            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": reply.cached_tokens}}
 
 
 def _tool_call(call, index: int | None = None) -> dict:

@@ -24,6 +24,10 @@ rendering and output parsing shared by both).
 * Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
   decoding in every mode); a request may pick its own mode and draft cap with the extension
   field ``"tandem": {"mode": "lookup", "max_draft": 8}``.
+* Requests that share a prefix (a system prompt, the conversation so far) restore it from the
+  engine's prefix cache and prefill only the rest; replies report it in
+  ``usage.prompt_tokens_details.cached_tokens`` (OpenAI), ``usage.cache_read_input_tokens``
+  (Anthropic, whose ``input_tokens`` then counts the rest) and ``x_tandem.cached_tokens``.
 
 In-process use (tests, the app)::
 

@@ -1,0 +1,221 @@
+"""Where a decode step and a speculative round go on the CPU backend, and what this branch's
+CPU-step work buys: the starter model (SmolLM2-135M, dense float32 + OpenBLAS), one process,
+arms interleaved, medians over repeats.
+
+    PYTHONPATH=$PWD .venv/bin/python tests/peer/cpu_step.py [--tokens 64] [--repeats 5]
+
+Tables:
+1. plain greedy decoding, tok/s and share of the memory roofline (engine/roofline.py): Tandem's
+   baseline with skinny matmuls (engine/skinny_gemm.py) and compiled small forwards
+   (engine/compiled.py) on and off, and ``mlx_lm.generate``'s loop on the same model and prompt;
+2. one step's anatomy: graph build (Python) vs the whole step, MLX graph nodes per token;
+3. the verify-cost curve (one forward of W rows on a warm cache) with skinny matmuls on and off;
+4. a lookup round on a copy-heavy prompt: the round vs its target forward; the rest (drafting,
+   commit, rollback, events, detokenizer, stop matcher) is the engine's overhead.
+Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import engine  # noqa: F401,I001  (OpenBLAS and the skinny matmuls load before mlx.core)
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import trim_prompt_cache
+
+from engine import platform, speculative
+from engine.api import load
+from engine.roofline import RooflineModel, measure_bandwidth
+
+CHAT = "Write a short story about a robot who learns to paint."
+COPY = ("Repeat this code exactly:\n\ndef fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+        "    return a\n\ndef is_prime(n):\n    if n < 2:\n        return False\n"
+        "    for d in range(2, int(n ** 0.5) + 1):"
+        "\n        if n % d == 0:\n            return False\n    return True\n")
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def graph_nodes(target, cache, token: int) -> int:
+    """Primitives in one step's graph as MLX exports it (the plain path: compiled functions
+    export their inner graphs too, so this counts what the plain step launches)."""
+    off = target.compiled_off
+    target.compiled_off = "counting"
+    try:
+        logits, _ = target.forward(mx.array([[token]], dtype=mx.uint32), cache, last_only=True)
+        with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+            mx.export_to_dot(f.name, mx.argmax(logits[-1]))
+            nodes = len(re.findall(r'label ="[A-Za-z]', open(f.name).read()))
+    finally:
+        target.compiled_off = off
+        trim_prompt_cache(cache, 1)
+    return nodes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+
+    eng = load()
+    target = eng.target
+    compiled_off = target.compiled_off
+    blas = platform.blas_status()
+    bandwidth = measure_bandwidth()
+    roof = RooflineModel.from_engine(eng, bandwidth)
+    chat = eng.encode(CHAT)
+    print(f"{eng.name} on {platform.device_name()} | MLX {mx.__version__} | BLAS {blas.state} | skinny matmuls "
+          f"{blas.skinny} | compiled small forwards {compiled_off or 'on'} | OPENBLAS_NUM_THREADS="
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')} | load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"roofline: {roof.weight_bytes / 1e6:.0f} MB weights/token, copy bandwidth {bandwidth / 1e9:.1f} GB/s -> "
+          f"ceiling {roof.ceiling_tps(len(chat) + args.tokens // 2):.1f} tok/s at {len(chat) + args.tokens // 2} "
+          f"tokens")
+
+    def configure(skinny: bool, compiled: bool) -> None:
+        platform.skinny_matmuls(skinny)
+        target.compiled_off = compiled_off if compiled else "off for the comparison"
+
+    # 1. plain greedy decoding
+    def tandem(n: int) -> float:
+        r = eng.generate(chat, mode="baseline", max_new_tokens=n)
+        return r.decode_tps
+
+    def mlx_lm(n: int) -> float:
+        start = count = None
+        for count, _ in enumerate(stream_generate(eng.model, eng.tokenizer, chat, max_tokens=n), 1):
+            if count == 1:
+                start = time.perf_counter()
+        return (count - 1) / (time.perf_counter() - start)
+
+    arms = {
+        "tandem baseline (skinny + compiled)": (tandem, True, True),
+        "tandem baseline, skinny only": (tandem, True, False),
+        "tandem baseline, compiled only": (tandem, False, True),
+        "tandem baseline, neither (main)": (tandem, False, False),
+        "mlx_lm.generate, skinny": (mlx_lm, True, True),
+        "mlx_lm.generate, OpenBLAS gemm": (mlx_lm, False, True),
+    }
+    results: dict[str, list[float]] = {name: [] for name in arms}
+    for name, (fn, skinny, compiled) in arms.items():  # warm-up
+        configure(skinny, compiled)
+        fn(8)
+    names = list(arms)
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn, skinny, compiled = arms[name]
+            configure(skinny, compiled)
+            results[name].append(fn(args.tokens))
+    configure(True, True)
+    context = len(chat) + args.tokens // 2
+    ref = results["tandem baseline, neither (main)"]
+    print(f"\n1. plain greedy decoding, {args.tokens} tokens x {args.repeats} repeats")
+    print(f"{'arm':<38}{'tok/s':>8}{'ms/token':>10}{'x roof':>8}{'x main':>8}")
+    for name, tps in results.items():
+        ratio = med([a / b for a, b in zip(tps, ref)])
+        print(f"{name:<38}{med(tps):8.1f}{1000 / med(tps):10.1f}{roof.fraction(med(tps), context):8.2f}{ratio:8.2f}")
+
+    # 2. one step's anatomy
+    cache = target.new_cache()
+    target.prefill(chat, cache)
+    token = chat[-1]
+    step = {}
+    for rep in range(max(9, args.repeats * 3)):
+        for skinny, compiled in ((True, True), (False, False)):
+            configure(skinny, compiled)
+            t0 = time.perf_counter()
+            logits, _ = target.forward(mx.array([[token]], dtype=mx.uint32), cache, last_only=True)
+            y = mx.argmax(logits[-1])
+            t1 = time.perf_counter()
+            y.item()
+            t2 = time.perf_counter()
+            trim_prompt_cache(cache, 1)
+            step.setdefault((skinny, compiled, "build"), []).append(t1 - t0)
+            step.setdefault((skinny, compiled, "step"), []).append(t2 - t0)
+    configure(True, True)
+    print("\n2. one decode step (synchronous, no pipelining)")
+    print(f"{'configuration':<38}{'step ms':>9}{'graph build ms':>16}")
+    for skinny, compiled, label in ((True, True, "skinny + compiled"), (False, False, "neither (main)")):
+        print(f"{label:<38}{med(step[(skinny, compiled, 'step')]) * 1e3:9.1f}"
+              f"{med(step[(skinny, compiled, 'build')]) * 1e3:16.2f}")
+    print(f"MLX graph nodes per token (plain path): {graph_nodes(target, cache, token)}; host syncs per token: 1 "
+          f"(the token read; baseline queues the next step first)")
+
+    # 3. verify-cost curve
+    widths = (1, 2, 3, 4, 6, 8, 9, 16)
+    long_prompt = eng.encode(CHAT * 6)
+    cache = target.new_cache()
+    target.prefill(long_prompt, cache)
+    curve: dict[tuple[int, bool], list[float]] = {}
+    for rep in range(max(5, args.repeats)):
+        for w in widths:
+            ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
+            for skinny in (True, False):
+                configure(skinny, True)
+                t0 = time.perf_counter()
+                logits, _, txn = target.verify(ids, cache)
+                mx.eval(logits)
+                curve.setdefault((w, skinny), []).append(time.perf_counter() - t0)
+                txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+    configure(True, True)
+    print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context "
+          f"(ms; x W=1 of the same arm)")
+    print(f"{'W':>4}{'skinny':>10}{'x1':>7}{'gemm':>10}{'x1':>7}{'gemm/skinny':>13}")
+    for w in widths:
+        a, b = med(curve[(w, True)]) * 1e3, med(curve[(w, False)]) * 1e3
+        a1, b1 = med(curve[(1, True)]) * 1e3, med(curve[(1, False)]) * 1e3
+        print(f"{w:4d}{a:10.1f}{a / a1:7.2f}{b:10.1f}{b / b1:7.2f}{b / a:13.2f}")
+
+    # 4. a speculative round: the round vs its target forward
+    spent = {"forward": 0.0}
+    real_forward, real_accept = target.forward, speculative.accept_greedy
+
+    def timed_forward(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real_forward(*a, **kw)
+        finally:
+            spent["forward"] += time.perf_counter() - t0
+
+    def timed_accept(*a, **kw):  # the sync: the forward's compute finishes in here
+        t0 = time.perf_counter()
+        try:
+            return real_accept(*a, **kw)
+        finally:
+            spent["forward"] += time.perf_counter() - t0
+
+    copy = eng.encode(COPY)
+    eng.generate(copy, mode="lookup", max_new_tokens=8)
+    rows = []
+    target.forward, speculative.accept_greedy = timed_forward, timed_accept
+    try:
+        for rep in range(args.repeats):
+            spent["forward"] = 0.0
+            first: list[float] = []
+            r = eng.generate(copy, mode="lookup", max_new_tokens=args.tokens * 2,
+                             on_round=lambda ev: first.append(spent["forward"]) if ev.index == 0 else None)
+            rounds = len(r.rounds) - 1
+            forward_s = spent["forward"] - first[0]  # after the prefill's token, like decode_s
+            rows.append((r.decode_s / rounds, forward_s / rounds, r.mean_accepted, r.decode_tps))
+    finally:
+        target.forward, speculative.accept_greedy = real_forward, real_accept
+    round_s, forward_s = med([x[0] for x in rows]), med([x[1] for x in rows])
+    print(f"\n4. lookup on a copy prompt, {args.tokens * 2} tokens x {args.repeats} repeats (medians)")
+    print(f"round {round_s * 1e3:.1f} ms = target forward (graph build + compute + sync) {forward_s * 1e3:.1f} ms + "
+          f"engine overhead {(round_s - forward_s) * 1e3:.2f} ms ({(round_s - forward_s) / round_s:.1%} of a round); "
+          f"{med([x[2] for x in rows]):.2f} tokens/round, {med([x[3] for x in rows]):.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

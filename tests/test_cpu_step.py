@@ -1,0 +1,204 @@
+"""The CPU step's speed-ups change no result: compiled norms and ropes give bit-identical logits
+and greedy ids (tiny models and the starter), a mismatching compile is refused, and the skinny
+matmuls compute what gemm computes for every 1-8-row layout MLX sends them."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine import compiled, platform, skinny_gemm
+from engine.target import Target
+from tests.tiny import make_tiny_engine, make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def greedy_steps(target: Target, prompt: list[int], steps: int, widths=(3, 1, 5)) -> tuple[list[int], list[mx.array]]:
+    """Prefill, plain steps, then a few verify-width forwards (rolled back): ids and every logits row."""
+    cache = target.new_cache()
+    logits, _ = target.prefill(prompt, cache)
+    ids, rows = [], [logits]
+    for _ in range(steps):
+        ids.append(mx.argmax(logits).item())
+        out, _ = target.forward(mx.array([[ids[-1]]], dtype=mx.uint32), cache, last_only=True)
+        logits = out[-1]
+        rows.append(logits)
+    for width in widths:
+        out, _, txn = target.verify(mx.array([ids[-width:]], dtype=mx.uint32), cache)
+        rows.append(out)
+        mx.eval(out)
+        txn.commit(1 if width == 1 else 0)  # a one-row forward keeps its row
+    mx.eval(rows)
+    return ids, rows
+
+
+def assert_compiled_equals_plain(target: Target, prompt: list[int], steps: int) -> None:
+    assert target.compiled_off == "", target.compiled_off
+    fast_ids, fast_rows = greedy_steps(target, prompt, steps)
+    target.compiled_off = "off for the comparison"
+    try:
+        plain_ids, plain_rows = greedy_steps(target, prompt, steps)
+    finally:
+        target.compiled_off = ""
+    assert fast_ids == plain_ids
+    for i, (a, b) in enumerate(zip(fast_rows, plain_rows)):
+        assert a.shape == b.shape and mx.array_equal(a, b).item(), f"row {i} differs by {mx.abs(a - b).max().item()}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compiled_small_forwards_are_bit_identical_on_tiny_models(arch):
+    target = Target(make_tiny_model(arch, seed=5))
+    counts = compiled.describe(target.model)
+    assert counts.get("CompiledRMSNorm", 0) >= 2 * target.num_layers + 1
+    assert counts.get("CompiledRoPE", 0) == target.num_layers
+    assert_compiled_equals_plain(target, [3, 9, 4, 17, 4, 9, 3], steps=12)
+
+
+def test_compiled_path_runs_only_inside_small_forwards():
+    target = Target(make_tiny_model("llama", seed=6))
+    seen = []
+    original = compiled._rms_norm
+
+    def spy(eps):
+        seen.append(eps)
+        return original(eps)
+
+    compiled._rms_norm = spy
+    try:
+        cache = target.new_cache()
+        target.forward(mx.array([list(range(2, 2 + compiled.MAX_WIDTH + 1))]), cache)  # a wide prefill chunk
+        assert seen == []
+        target.model(mx.array([[5]]), cache=cache)  # a direct model call (a draft model, a probe)
+        assert seen == []
+        target.forward(mx.array([[5]]), cache)
+        assert len(seen) == 2 * target.num_layers + 1
+    finally:
+        compiled._rms_norm = original
+
+
+def test_a_compile_that_changes_the_logits_is_refused(monkeypatch):
+    monkeypatch.setattr(compiled, "_rms_norm", lambda eps: mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps) * 1.001))
+    model = make_tiny_model("llama", seed=7)
+    target = Target(model)
+    assert target.compiled_off.startswith("compiled forward differs")
+    assert compiled.describe(model) == {}  # the modules were put back
+    assert type(model.model.norm) is nn.RMSNorm
+
+
+def test_decode_is_unchanged_by_the_compiled_path():
+    engine = make_tiny_engine("llama", seed=8)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    results = {}
+    for label in ("compiled", "plain"):
+        engine.target.compiled_off = "" if label == "compiled" else "off"
+        results[label] = {mode: engine.generate(prompt, mode=mode, max_new_tokens=24).token_ids
+                          for mode in ("baseline", "lookup")}
+    engine.target.compiled_off = ""
+    assert results["compiled"] == results["plain"]
+
+
+@pytest.mark.slow
+def test_compiled_step_is_bit_identical_on_the_starter(starter_engine):
+    prompt = starter_engine.encode("Name three colours.")
+    assert_compiled_equals_plain(starter_engine.target, prompt, steps=6)
+
+
+# -- skinny matmuls -----------------------------------------------------------------------
+needs_skinny = pytest.mark.skipif(not platform.skinny_active(),
+                                  reason=f"skinny matmuls {platform.blas_status().skinny}")
+
+
+@needs_skinny
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("layout", ["x@W.T", "x@W", "addmm", "batched", "strided"])
+def test_skinny_matmuls_match_gemm_on_every_layout(layout, rows):
+    rng = np.random.default_rng(rows)
+    n, k = 700, 83  # k = 5 lanes of 16 and a tail of 3
+    w, x, bias = (rng.standard_normal(s).astype(np.float32) for s in ((n, k), (rows, k), (n,)))
+    cases = {
+        "x@W.T": (lambda: mx.array(x) @ mx.array(w).T, x @ w.T),
+        "x@W": (lambda: mx.array(x) @ mx.array(w.T.copy()), x @ w.T),
+        "addmm": (lambda: mx.addmm(mx.array(bias), mx.array(x), mx.array(w).T), x @ w.T + bias),
+        "batched": (lambda: mx.array(np.stack([x, 2 * x])) @ mx.array(w).T, np.stack([x @ w.T, 2 * x @ w.T])),
+        "strided": (lambda: mx.array(np.concatenate([x, x], axis=1))[:, :k] @ mx.array(w).T, x @ w.T),
+    }
+    fn, want = cases[layout]
+    got_skinny = np.array(fn())
+    assert platform.skinny_matmuls(False) is False
+    try:
+        got_gemm = np.array(fn())
+    finally:
+        assert platform.skinny_matmuls(True) is True
+    np.testing.assert_allclose(got_skinny, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_skinny, got_gemm, rtol=1e-5, atol=1e-5)
+
+
+@needs_skinny
+def test_a_row_does_not_depend_on_how_many_rows_share_the_product():
+    """2-8-row products sum each row the same way, so a row is bit-identical in any of them."""
+    rng = np.random.default_rng(3)
+    w = mx.array(rng.standard_normal((300, 96)).astype(np.float32))
+    x = mx.array(rng.standard_normal((8, 96)).astype(np.float32))
+    full = x @ w.T
+    for rows in range(2, 9):
+        assert mx.array_equal((x[:rows] @ w.T)[1], full[1]).item(), rows
+
+
+@pytest.mark.skipif(not platform.blas_status().path, reason="no OpenBLAS")
+def test_self_test_refuses_a_library_that_computes_something_else():
+    real = skinny_gemm._SGEMM_FN(("cblas_sgemm", ctypes.CDLL(platform.blas_status().path)))
+
+    def doubled(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        real(order, ta, tb, m, n, k, 2 * alpha, a, lda, b, ldb, beta, c, ldc)
+
+    assert skinny_gemm.self_test(types.SimpleNamespace(cblas_sgemm=skinny_gemm._SGEMM_FN(real)), real) == ""
+    problem = skinny_gemm.self_test(types.SimpleNamespace(cblas_sgemm=skinny_gemm._SGEMM_FN(doubled)), real)
+    assert problem.startswith("self-test failed")
+
+
+def run_py(code: str, **env: str) -> dict:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NO_SKINNY", "LD_PRELOAD")}
+    full_env.update(env)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+STATUS = """
+    import json, os
+    import engine
+    from engine import platform
+    import mlx.core as mx
+    st = platform.blas_status()
+    built = sorted(os.listdir(os.path.join(os.environ["TANDEM_CACHE_DIR"], "blas"))) if os.path.isdir(
+        os.path.join(os.environ["TANDEM_CACHE_DIR"], "blas")) else []
+    x, w = mx.ones((1, 64)), mx.ones((300, 64))
+    print(json.dumps(dict(state=st.state, skinny=st.skinny, active=platform.skinny_active(), built=built,
+                          value=(x @ w.T)[0, 0].item())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+def test_skinny_library_builds_into_the_cache_and_can_be_turned_off(tmp_path):
+    if platform.blas_status().state != "preloaded" or skinny_gemm._compiler() is None:
+        pytest.skip(f"needs OpenBLAS preloaded and a C compiler ({platform.blas_status().skinny})")
+    on = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path))
+    assert on["skinny"] == "on" and on["active"] and on["value"] == 64.0
+    assert len(on["built"]) == 1 and on["built"][0].startswith("tandem-skinny-")
+    again = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path))  # reuses the cached library
+    assert again["skinny"] == "on" and again["built"] == on["built"]
+    off = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path), TANDEM_NO_SKINNY="1")
+    assert off["skinny"] == "off: TANDEM_NO_SKINNY is set" and not off["active"] and off["value"] == 64.0
+    assert off["state"] == "preloaded"
