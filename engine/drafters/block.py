@@ -553,6 +553,7 @@ class BlockDrafter(Drafter):
         """The context K/V rows per layer (views: a later write reallocates or copies the buffer)."""
         if not self.context_len:
             return None
+        self._flush()  # rows committed during plain steps wait in _pending until needed
         n = self.context_len
         return DrafterState(n, [[kv.keys[..., :n, :], kv.values[..., :n, :]] for kv in self._caches])
 
@@ -563,13 +564,12 @@ class BlockDrafter(Drafter):
             return
         if state is None or state.tokens < cached:
             raise RuntimeError(f"{self.name} drafter: no stored context for the {cached} restored tokens")
-        self._caches = self.model.new_cache()
+        self._caches = self.model.new_cache(self.target.shapes)
         for kv, (keys, values) in zip(self._caches, state.tree):
             kv.append(keys[..., :cached, :], values[..., :cached, :])  # into a new buffer
-        self.context_len = cached
-        for start in range(0, 0 if hidden is None else int(hidden.shape[0]), CONTEXT_CHUNK):
-            self._append(hidden[start : start + CONTEXT_CHUNK])
-            mx.eval(self._cache_state())
+        self._pending, self._drafting = ([] if hidden is None else [hidden]), False
+        self.context_len = cached + (0 if hidden is None else int(hidden.shape[0]))
+        self._flush()
         mx.eval(self._cache_state())
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
