@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from engine.protocols import EngineLike
+from engine.drafters.block import CONTEXT_CHUNK
 from engine.shapes import StableKVCache
 
 WARM_TOKENS = 4096  # context the shapes are prepared for (later capacities compile on first use)
@@ -98,3 +99,13 @@ def _drafter_shapes(target, drafter, capacity: int) -> None:
     draft = drafter.propose(ids, drafter.max_draft, Sampler(SamplingParams()))
     if draft is not None:
         mx.eval(draft.tokens)
+    # Rows committed during plain steps are projected in power-of-two pieces: each piece size
+    # into a buffer of this capacity (zeros: kernels depend on shapes, not values).
+    size = 1
+    while size <= min(CONTEXT_CHUNK, capacity - len(ids)):
+        drafter.begin(ids[:-1], hidden)
+        drafter.reserve(capacity)
+        drafter.commit(ids, size, mx.zeros((size, hidden.shape[-1]), dtype=hidden.dtype))
+        drafter.reserve(capacity)  # projects the pending rows
+        mx.eval(drafter.state().tree)
+        size *= 2

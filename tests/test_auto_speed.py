@@ -303,17 +303,31 @@ def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
         return sdpa(q, k, v, **kw)
 
     mx.fast.scaled_dot_product_attention = record
+    projected: set = set()  # rows per drafter context projection
+    backbone = eng.drafter("dspark").model
+    append_context = backbone.append_context
+    backbone.append_context = lambda hidden, caches: projected.add(hidden.shape[0]) or append_context(hidden, caches)
     try:
         seen = []
         eng.warm_up(["lookup", "dspark"], tokens=48, progress=lambda d, t, s: seen.append((d, t)))
         assert seen[-1][0] == seen[-1][1]
-        warm = set(shapes)
+        warm, warm_projected = set(shapes), set(projected)
         shapes.clear()
+        projected.clear()
         eng.generate(PROMPT * 2, mode="dspark", max_new_tokens=24, max_draft=5)
         eng.generate(PROMPT * 2, mode="lookup", max_new_tokens=24, max_draft=7)
+        # A parked stretch: 45 rows committed by plain steps wait, then one proposal projects them.
+        drafter = eng.drafter("dspark")
+        drafter.commit([], 45, mx.zeros((45, backbone.fc.weight.shape[-1]), dtype=drafter.dtype))
+        drafter.reserve(drafter.context_len)
     finally:
         mx.fast.scaled_dot_product_attention = sdpa
         eng.target.forward = forward
+        backbone.append_context = append_context
+    # Context rows (the prompt's, a round's, a parked stretch's) are projected in power-of-two
+    # pieces, each size warmed.
+    assert {32, 8, 4, 1} <= projected <= warm_projected
+    assert all(n & (n - 1) == 0 for n in projected)
     # Multi-row attention (verifies, drafter blocks) must all have been warmed. Prefill chunks go
     # by prompt length, and one-row steps see a slice that MLX serves from shape-stable kernels
     # (CUDA: a vector kernel, or cuDNN keyed on the buffer's capacity).

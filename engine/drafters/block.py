@@ -502,6 +502,20 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 # ----------------------------------------------------------------------------------------
 # The drafter
+def context_pieces(rows: int, stable: bool) -> list[int]:
+    """Row counts to project ``rows`` pending context rows in: chunks of CONTEXT_CHUNK, and under
+    a shape policy powers of two (a GPU backend compiles per shape: rows projected after a parked
+    stretch would otherwise bring a new count, and a compile, almost every time)."""
+    pieces = []
+    while rows > 0:
+        size = min(rows, CONTEXT_CHUNK)
+        if stable:
+            size = 1 << (size.bit_length() - 1)
+        pieces.append(size)
+        rows -= size
+    return pieces
+
+
 # ----------------------------------------------------------------------------------------
 class BlockDrafter(Drafter):
     """Shared state for DSpark/DFlash: the append-only context cache and the block forward.
@@ -535,9 +549,12 @@ class BlockDrafter(Drafter):
             return
         rows = mx.concatenate(self._pending, axis=0) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
-        for start in range(0, int(rows.shape[0]), CONTEXT_CHUNK):
-            self._append(rows[start : start + CONTEXT_CHUNK])
-            if rows.shape[0] > CONTEXT_CHUNK:
+        total = int(rows.shape[0])
+        start = 0
+        for size in context_pieces(total, stable=self.target.shapes is not None):
+            self._append(rows[start : start + size])
+            start += size
+            if total > CONTEXT_CHUNK:
                 mx.eval(self._cache_state())
 
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
