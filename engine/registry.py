@@ -25,6 +25,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from engine import starter
 from engine.errors import TandemError
 from engine.protocols import EngineLike
 
@@ -84,20 +85,28 @@ def rows() -> list[dict]:
     return list(_load(str(registry_path())))
 
 
-def _names(engine_or_name: EngineLike | str) -> list[str]:
+def match_names(engine_or_name: EngineLike | str) -> list[str]:
+    """The names a model is matched on: the name given, or a loaded engine's (its name, folder and
+    source), each with the built-in model it names (``smollm2`` -> ``SmolLM2-135M-Instruct``), so
+    ``tandem models --model X`` finds the rows ``--model X --mode ...`` runs with."""
     if isinstance(engine_or_name, str):
-        return [engine_or_name]
-    names = [engine_or_name.name]
-    loaded = getattr(engine_or_name, "loaded", None)
-    if loaded is not None:
-        names.append(Path(str(loaded.path)).name)
-        names.append(str(loaded.source).split(":", 1)[-1])
-    return names
+        names = [engine_or_name]
+    else:
+        names = [engine_or_name.name]
+        loaded = getattr(engine_or_name, "loaded", None)
+        if loaded is not None:
+            names.append(Path(str(loaded.path)).name)
+            names.append(str(loaded.source).split(":", 1)[-1])
+    out = []
+    for name in filter(None, (str(n).strip() for n in names)):
+        builtin = starter.builtin_model(name)
+        out += [name, builtin.display_name, builtin.name] if builtin else [name]
+    return out
 
 
 def rows_for(engine_or_name: EngineLike | str, mode: str | None = None) -> list[dict]:
     """Registry rows for this model (any quantization), in preference order."""
-    keys = {base_name(n) for n in _names(engine_or_name) if n}
+    keys = {base_name(n) for n in match_names(engine_or_name)}
     out = []
     for row in rows():
         targets = [row["target"], *row.get("aliases", [])]

@@ -196,3 +196,16 @@ def test_mode_support_names_what_each_mode_needs(tmp_path):
     support = eng.mode_support()
     assert support["dflash"] is None
     assert "DFlash checkpoint" in support["dspark"] and "--mode dflash" in support["dspark"]
+
+
+@pytest.mark.parametrize("spec", ["smollm2", "starter", "SmolLM2-135M", "smollm2-135m-instruct"])
+def test_a_builtin_name_finds_the_rows_its_loaded_model_runs_with(spec, starter_engine):
+    """``tandem models --model smollm2`` and ``--model smollm2 --mode dspark`` match through one
+    function: a built-in's name or alias finds the rows the loaded model finds."""
+    assert registry.rows_for(spec) == registry.rows_for(starter_engine) != []
+    assert registry.rows_for(spec)[0]["drafter"] == "resources:drafters/smollm2-135m-dspark"
+
+
+def test_tandem_models_finds_the_starter_drafter_by_its_short_name(capsys):
+    assert cli_main(["models", "--model", "smollm2"]) == 0
+    assert "resources:drafters/smollm2-135m-dspark  yes    yes" in capsys.readouterr().out
