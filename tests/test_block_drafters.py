@@ -17,7 +17,7 @@ from engine import modes
 from engine.drafters import block, checkpoint
 from engine.drafters.checkpoint import load_checkpoint, new_dspark_model, save_drafter
 from engine.drafters.dflash import DFlashDrafter
-from engine.drafters.dspark import DSparkDrafter, chain_tokens, keep_count
+from engine.drafters.dspark import DSparkDrafter, chain_tokens, confident_prefix, keep_count
 from engine.errors import TandemError
 from engine.generate import Engine
 from engine.sampling import Sampler, SamplingParams, sample_from, target_probs
@@ -717,3 +717,17 @@ def test_checkpoint_script_writes_loadable_drafters(tmp_path, capsys):
         _, cfg = load_checkpoint(tmp_path / kind, engine.target, mode=kind)
         assert cfg.tap_layers == (1,) and cfg.mask_token_id == 2  # 4 layers: taps 1..N-3 = [1]
     assert "dflash drafter for a 4-layer H=64 V=96 target" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rule", ["slot", "product"])
+def test_device_cut_and_replayed_cut_agree_at_every_boundary(rule):
+    """The drafter's cut (confident_prefix, on the device) and the calibrator's replay of it
+    (keep_count) keep the same slots, thresholds sitting exactly on a score or one ulp off it."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        conf = rng.uniform(0.4, 1.0, 7).astype(np.float32)
+        scores = conf if rule == "slot" else np.cumprod(conf, dtype=np.float64)
+        at = float(scores[rng.integers(7)])
+        for threshold in (at, np.nextafter(at, 0.0), np.nextafter(at, 1.0), float(np.float32(at)), 0.0, 1.0):
+            want = keep_count(conf.tolist(), float(threshold), rule)
+            assert confident_prefix(mx.array(conf), float(threshold), rule) == want, (conf.tolist(), threshold)

@@ -20,6 +20,7 @@ is exact for any q that drafts are really drawn from, so this changes speed, nev
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import mlx.core as mx
@@ -81,20 +82,27 @@ def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
 RULES = ("slot", "product")
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (a product of two float32 values rounded once, as the device does)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def keep_count(conf: Sequence[float], threshold: float, rule: str = "slot") -> int:
     """How many leading slots a cut keeps: ``slot``: up to the first slot scored below the
-    threshold; ``product``: while the running product of scores stays >= the threshold."""
-    kept, running = 0, 1.0
+    threshold; ``product``: while the running product of scores stays >= the threshold. In
+    float32 like ``confident_prefix``, so a calibration's replay cuts where the drafter does."""
+    limit, kept, running = _f32(threshold), 0, 1.0
     for c in conf:
-        running *= c
-        if (c if rule == "slot" else running) < threshold:
+        c = _f32(c)
+        running = _f32(running * c)
+        if (c if rule == "slot" else running) < limit:
             break
         kept += 1
     return kept
 
 
 def confident_prefix(conf: mx.array, threshold: float, rule: str = "slot") -> int:
-    """``keep_count`` on the device (one read-back of the count)."""
+    """``keep_count`` on the device: one array expression, one read-back of the count."""
     conf = conf.astype(mx.float32)
     alive = (conf if rule == "slot" else mx.cumprod(conf)) >= threshold
     return int(mx.cumprod(alive.astype(mx.int32)).sum().item())
