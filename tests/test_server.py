@@ -497,6 +497,16 @@ def _wait_result(events, deadline_s: float = 20) -> dict | None:
     return None
 
 
+def _wait_decoding(events) -> str:
+    """The id of the next generation, once it is decoding (its first round is published): past the
+    queue and the prefill, where a client's hang-up must cancel it with a result."""
+    got = sse_events(events, until=lambda ev: ev[-1][0] == "round")
+    started = [json.loads(d)["id"] for k, d in got if k == "request"]
+    assert got and got[-1][0] == "round" and started, got
+    assert json.loads(got[-1][1])["id"] == started[-1]
+    return started[-1]
+
+
 def test_client_disconnect_cancels_generation(scripted):
     events = _open_events(scripted)
     cancelled_before = _metric(scripted, "tandem_generations_cancelled_total")
@@ -510,10 +520,11 @@ def test_client_disconnect_cancels_generation(scripted):
 
     # A non-streamed request is cancelled too when its client hangs up while waiting.
     conn = _stream_count(scripted, stream=False)
-    time.sleep(0.3)
+    waiting = _wait_decoding(events)  # not a sleep: under load the request may still be queued
     _hang_up(conn)
     result = _wait_result(events)
-    assert result is not None and result["finish_reason"] == "cancelled" and result["tokens"] < 200_000
+    assert result is not None and result["id"] == waiting
+    assert result["finish_reason"] == "cancelled" and result["tokens"] < 200_000
     events.close()
     assert _metric(scripted, "tandem_generations_cancelled_total") == cancelled_before + 2
     # still healthy and serving
