@@ -146,6 +146,19 @@ def skinny_matmuls(on: bool) -> bool:
     return skinny_active()
 
 
+def skinny_threads(count: int = 0) -> int:
+    """The threads a 2-8-row product is split over (``count`` > 0 sets it, at most 8; benchmarks
+    and tests compare counts in one process). 0 where the skinny matmuls were not installed."""
+    if _SKINNY_HANDLE is None:
+        return 0
+    return int(_SKINNY_HANDLE.tandem_skinny_threads(int(count)))
+
+
+def skinny_splits() -> int:
+    """How many products have been split over threads so far (0 where not installed)."""
+    return int(_SKINNY_HANDLE.tandem_skinny_splits()) if _SKINNY_HANDLE is not None else 0
+
+
 def blas_status() -> BlasStatus:
     """The remembered preload result (runs the preload if nobody did yet)."""
     return preload_blas()

@@ -11,13 +11,18 @@ OpenBLAS preload does: a small C library exporting ``cblas_sgemm`` that sends
 
 * 1-row products to OpenBLAS's ``cblas_sgemv`` (multi-threaded, streams the weights once);
 * 2-8-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loop, which
-  reads each weight row once for all rows (16-lane dot products, vectorized for this CPU);
+  reads each weight row once for all rows (16-lane dot products, vectorized for this CPU, two
+  weight rows at a time, the next ones prefetched), its output columns split over as many
+  threads as OpenBLAS uses (a small pool that polls briefly, then sleeps; a product under
+  ~128 KB of weights stays on the calling thread). Every output element is computed by the same
+  code whichever thread gets it, so a split product is bit-identical to the one-thread loop;
 * everything else (prefill, wide verifies, other layouts) to OpenBLAS's ``cblas_sgemm``.
 
 It is compiled once with the system C compiler (MLX's CPU ``mx.compile`` needs one too; the
 build is keyed on this CPU's flags since it uses ``-march=native``) into Tandem's cache folder,
 loaded before OpenBLAS enters the global scope, and compared with gemm on every layout it takes
-over before it is trusted. Without a compiler, or when the self-test fails, nothing changes.
+over (and a split product with the one-thread loop, bit for bit) before it is trusted. Without
+a compiler, or when the self-test fails, nothing changes.
 
 The sums run in another order than gemm's, so results differ from gemm's in the last bits of
 float32, as rows of different verify widths already did through attention: greedy output can
@@ -40,11 +45,17 @@ from pathlib import Path
 from engine.paths import cache_root
 
 MAX_ROWS = 8  # the own loop's limit; from 9 rows gemm's packing pays for itself
+MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
 SOURCE = r"""
 /* Tandem's skinny float32 matmuls in front of OpenBLAS (see engine/skinny_gemm.py). */
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int,
                          float, float *, int);
 typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int, float,
@@ -53,49 +64,228 @@ static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
+enum { MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
+       SPINS = 500,                          /* polls before a thread sleeps: a few microseconds */
+       AHEAD = 4 };                          /* columns of b prefetched ahead of the one in use */
 
 void tandem_skinny_bind(sgemm_fn gemm, sgemv_fn gemv) { real_sgemm = gemm; real_sgemv = gemv; on = 1; }
 void tandem_skinny_enable(int yes) { on = yes && real_sgemm && real_sgemv; }
 int tandem_skinny_enabled(void) { return on; }
 
 /* c[i, j] = sum_p a[i, p] b[j, p] (+ beta c[i, j]) for i < M, a constant once inlined: each row of b
-   is read once for all M rows; each dot product is summed in 16 lanes, then the lanes in order. */
+   is read once for all M rows; each dot product is summed in 16 lanes, then the lanes in order.
+   Two columns at a time (one for an odd last column, same sums): twice the independent sums keep
+   the FMA units busy. Pairs start at even columns, so a split at even columns changes no sum.
+   The rows AHEAD columns on are prefetched: a weight matrix streams from memory, not cache. */
 static inline void rows_nt(const int M, int n, int k, const float *restrict a, int lda,
                            const float *restrict b, int ldb, float beta, float *restrict c, int ldc) {
-  for (int j = 0; j < n; j++) {
-    const float *bj = b + (size_t)j * ldb;
-    float acc[8][LANES];
-    for (int i = 0; i < M; i++)
-      for (int l = 0; l < LANES; l++) acc[i][l] = 0.0f;
+  for (int j = 0; j < n; j += 2) {
+    const int cols = j + 2 <= n ? 2 : 1;
+    const float *b0 = b + (size_t)j * ldb, *b1 = b0 + (cols - 1) * (size_t)ldb;
+    const float *next = b + (size_t)(j + AHEAD + 1 < n ? j + AHEAD : (n > 1 ? n - 2 : 0)) * ldb;
+    float acc[2][8][LANES];
+    for (int jj = 0; jj < 2; jj++)
+      for (int i = 0; i < M; i++)
+        for (int l = 0; l < LANES; l++) acc[jj][i][l] = 0.0f;
     int p = 0;
-    for (; p + LANES <= k; p += LANES)
-      for (int i = 0; i < M; i++) {
-        const float *ai = a + (size_t)i * lda + p;
-        for (int l = 0; l < LANES; l++) acc[i][l] += ai[l] * bj[p + l];
+    if (cols == 2)
+      for (; p + LANES <= k; p += LANES) {
+        __builtin_prefetch(next + p, 0, 0);
+        __builtin_prefetch(next + ldb + p, 0, 0);
+        for (int i = 0; i < M; i++) {
+          const float *ai = a + (size_t)i * lda + p;
+          for (int l = 0; l < LANES; l++) {
+            acc[0][i][l] += ai[l] * b0[p + l];
+            acc[1][i][l] += ai[l] * b1[p + l];
+          }
+        }
       }
-    for (int i = 0; i < M; i++) {
-      const float *ai = a + (size_t)i * lda;
-      float sum = 0.0f, tail = 0.0f;
-      for (int q = p; q < k; q++) tail += ai[q] * bj[q];
-      for (int l = 0; l < LANES; l++) sum += acc[i][l];
-      float *cij = c + (size_t)i * ldc + j;
-      *cij = beta == 0.0f ? sum + tail : sum + tail + beta * *cij;
+    else
+      for (; p + LANES <= k; p += LANES)
+        for (int i = 0; i < M; i++) {
+          const float *ai = a + (size_t)i * lda + p;
+          for (int l = 0; l < LANES; l++) acc[0][i][l] += ai[l] * b0[p + l];
+        }
+    for (int jj = 0; jj < cols; jj++) {
+      const float *bj = jj ? b1 : b0;
+      for (int i = 0; i < M; i++) {
+        const float *ai = a + (size_t)i * lda;
+        float sum = 0.0f, tail = 0.0f;
+        for (int q = p; q < k; q++) tail += ai[q] * bj[q];
+        for (int l = 0; l < LANES; l++) sum += acc[jj][i][l];
+        float *cij = c + (size_t)i * ldc + j + jj;
+        *cij = beta == 0.0f ? sum + tail : sum + tail + beta * *cij;
+      }
     }
   }
 }
 
+static void loop_rows(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
+                      float *c, int ldc) {
+  switch (m) {
+    case 2: rows_nt(2, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 3: rows_nt(3, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 4: rows_nt(4, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 5: rows_nt(5, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 6: rows_nt(6, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 7: rows_nt(7, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    case 8: rows_nt(8, n, k, a, lda, b, ldb, beta, c, ldc); break;
+  }
+}
+
+/* -- the same loop over column ranges on several threads ----------------------------------------
+   Each output c[i, j] is computed by the same code whichever thread runs column j, so a split
+   product is bit-identical to the one-thread loop. Workers poll briefly between products (a verify
+   forward issues ~200 in a row), then sleep on a condition variable. */
+static struct {
+  int m, n, k, lda, ldb, ldc, parts, chunk;
+  const float *a, *b;
+  float beta;
+  float *c;
+  unsigned fp_control; /* the caller's rounding and denormal modes, for the workers to match */
+} job;
+static int threads = 1;   /* parts a product may be split into, the caller's own included */
+static int workers;       /* pool threads started (parts - 1 of them take part in a job) */
+static atomic_uint epoch; /* bumped to hand out a job */
+static atomic_int pending; /* workers that have not finished (or skipped) the current job */
+static atomic_flag pool_busy = ATOMIC_FLAG_INIT; /* one caller at a time; others loop alone */
+static long splits;        /* products split so far (tests and benchmarks read it) */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, finished = PTHREAD_COND_INITIALIZER;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static unsigned fp_control_get(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  return _mm_getcsr() & ~0x3fu; /* the modes, without the exception flags */
+#elif defined(__aarch64__)
+  unsigned long r;
+  __asm__ __volatile__("mrs %0, fpcr" : "=r"(r));
+  return (unsigned)r;
+#else
+  return 0;
+#endif
+}
+
+static void fp_control_set(unsigned v) {
+  if (v == fp_control_get()) return;
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_setcsr(v | (_mm_getcsr() & 0x3fu));
+#elif defined(__aarch64__)
+  unsigned long r = v;
+  __asm__ __volatile__("msr fpcr, %0" : : "r"(r));
+#endif
+}
+
+static void run_part(int part) {
+  int j0 = part * job.chunk, j1 = j0 + job.chunk < job.n ? j0 + job.chunk : job.n;
+  if (j0 < j1)
+    loop_rows(job.m, j1 - j0, job.k, job.a, job.lda, job.b + (size_t)j0 * job.ldb, job.ldb, job.beta,
+              job.c + j0, job.ldc);
+}
+
+static unsigned born[MAX_THREADS]; /* the epoch each worker was started in */
+
+static void *worker(void *arg) {
+  int part = (int)(size_t)arg; /* 1 .. MAX_THREADS - 1; the caller runs part 0 */
+  unsigned seen = born[part];   /* a job handed out before this thread runs is still its own */
+  for (;;) {
+    unsigned now = seen;
+    for (int s = 0; s < SPINS && (now = atomic_load(&epoch)) == seen; s++) relax();
+    if (now == seen) {
+      pthread_mutex_lock(&lock);
+      while ((now = atomic_load(&epoch)) == seen) pthread_cond_wait(&wake, &lock);
+      pthread_mutex_unlock(&lock);
+    }
+    seen = now;
+    if (part < job.parts) {
+      fp_control_set(job.fp_control);
+      run_part(part);
+    }
+    if (atomic_fetch_sub(&pending, 1) == 1) { /* the last one out wakes the caller if it sleeps */
+      pthread_mutex_lock(&lock);
+      pthread_cond_signal(&finished);
+      pthread_mutex_unlock(&lock);
+    }
+  }
+  return NULL;
+}
+
+static void forget_pool(void) { /* in a fork's child: the workers did not come along */
+  workers = 0;
+  atomic_store(&pending, 0);
+  atomic_flag_clear(&pool_busy);
+  pthread_mutex_init(&lock, NULL);
+  pthread_cond_init(&wake, NULL);
+  pthread_cond_init(&finished, NULL);
+}
+
+/* Sets how many parts a product may be split into (n > 0, at most MAX_THREADS); returns the count. */
+int tandem_skinny_threads(int n) {
+  if (n > 0) {
+    while (atomic_flag_test_and_set(&pool_busy)) relax();
+    threads = n < MAX_THREADS ? n : MAX_THREADS;
+    atomic_flag_clear(&pool_busy);
+  }
+  return threads;
+}
+
+long tandem_skinny_splits(void) { return splits; }
+
+static int start_workers(int want) { /* called holding pool_busy */
+  static int hooked;
+  if (!hooked) hooked = pthread_atfork(NULL, NULL, forget_pool) == 0;
+  while (workers < want) {
+    pthread_t t;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    born[workers + 1] = atomic_load(&epoch);
+    int failed = pthread_create(&t, &attr, worker, (void *)(size_t)(workers + 1));
+    pthread_attr_destroy(&attr);
+    if (failed) break;
+    workers++;
+  }
+  return workers;
+}
+
 static int few_rows(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
                     float *c, int ldc) {
-  switch (m) {
-    case 2: rows_nt(2, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 3: rows_nt(3, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 4: rows_nt(4, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 5: rows_nt(5, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 6: rows_nt(6, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 7: rows_nt(7, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
-    case 8: rows_nt(8, n, k, a, lda, b, ldb, beta, c, ldc); return 1;
+  if (m < 2 || m > 8) return 0;
+  size_t work = (size_t)n * (size_t)k;
+  int parts = threads;
+  if (work / MIN_SPLIT < (size_t)parts) parts = (int)(work / MIN_SPLIT);
+  if (n / LANES < parts) parts = n / LANES;
+  if (parts < 2 || atomic_flag_test_and_set(&pool_busy)) { /* small, one thread, or the pool is in use */
+    loop_rows(m, n, k, a, lda, b, ldb, beta, c, ldc);
+    return 1;
   }
-  return 0;
+  parts = 1 + (start_workers(parts - 1) < parts - 1 ? workers : parts - 1);
+  int chunk = (n + parts - 1) / parts;
+  chunk = (chunk + LANES - 1) / LANES * LANES; /* whole cache lines of c per part */
+  job.m = m; job.n = n; job.k = k; job.a = a; job.lda = lda; job.b = b; job.ldb = ldb; job.beta = beta;
+  job.c = c; job.ldc = ldc; job.parts = parts; job.chunk = chunk; job.fp_control = fp_control_get();
+  splits += parts > 1;
+  atomic_store(&pending, workers);
+  pthread_mutex_lock(&lock);
+  atomic_fetch_add(&epoch, 1);
+  pthread_cond_broadcast(&wake);
+  pthread_mutex_unlock(&lock);
+  run_part(0);
+  for (int s = 0; s < SPINS && atomic_load(&pending) > 0; s++) relax();
+  if (atomic_load(&pending) > 0) {
+    pthread_mutex_lock(&lock);
+    while (atomic_load(&pending) > 0) pthread_cond_wait(&finished, &lock);
+    pthread_mutex_unlock(&lock);
+  }
+  atomic_flag_clear(&pool_busy);
+  return 1;
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a,
@@ -208,6 +398,36 @@ def self_test(skinny, real_sgemm) -> str:
     return ""
 
 
+def split_test(skinny) -> str:
+    """A product split over two threads must equal the one-thread loop bit for bit: every output
+    element is computed by the same code whichever thread gets its column. '' when it does."""
+    m, n, k = 3, 530, 131  # two threads' worth of weights; n not a multiple of 16, k with a tail
+    rng = random.Random(1)
+    a = _floats(rng, m * k)
+    rows = bytes(_floats(rng, 17 * k))  # weights: 17 random rows repeated (fast to make)
+    b = (ctypes.c_float * (n * k)).from_buffer_copy((rows * (n // 17 + 1))[: n * k * 4])
+    before = skinny.tandem_skinny_threads(0)
+    out = []
+    try:
+        for threads in (1, 2):
+            skinny.tandem_skinny_threads(threads)
+            c = (ctypes.c_float * (m * n))()
+            skinny.cblas_sgemm(ROW_MAJOR, NO_TRANS, TRANS, m, n, k, 1.0, a, k, b, k, 0.0, c, n)
+            out.append(bytes(c))
+    finally:
+        skinny.tandem_skinny_threads(before)
+    return "" if out[0] == out[1] else "self-test failed: a product split over threads differs from the one-thread loop"
+
+
+def blas_threads(blas: ctypes.CDLL) -> int:
+    """The threads OpenBLAS uses (its OPENBLAS_NUM_THREADS / core count), at most MAX_THREADS."""
+    try:
+        count = int(blas.openblas_get_num_threads())
+    except AttributeError:
+        count = os.cpu_count() or 1
+    return max(1, min(count, MAX_THREADS))
+
+
 def install(openblas_path: str) -> tuple[ctypes.CDLL | None, str]:
     """Build if needed and load the library into the global scope, bound to the OpenBLAS at
     ``openblas_path`` (loaded here RTLD_LOCAL; the caller promotes it to RTLD_GLOBAL *after*, so
@@ -225,7 +445,8 @@ def install(openblas_path: str) -> tuple[ctypes.CDLL | None, str]:
         skinny.tandem_skinny_bind(ctypes.cast(real_sgemm, ctypes.c_void_p), real_sgemv)
     except (OSError, AttributeError) as e:
         return None, f"loading it failed: {e}"
-    problem = self_test(skinny, real_sgemm)
+    problem = self_test(skinny, real_sgemm) or split_test(skinny)
+    skinny.tandem_skinny_threads(blas_threads(blas))
     if problem:
         skinny.tandem_skinny_enable(0)  # stays loaded, as a plain pass-through to gemm
         return None, problem

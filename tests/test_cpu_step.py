@@ -155,6 +155,27 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_product():
         assert mx.array_equal((x[:rows] @ w.T)[1], full[1]).item(), rows
 
 
+@needs_skinny
+@pytest.mark.parametrize("rows", [2, 5, 8])
+def test_a_product_split_over_threads_is_bit_identical_to_one_thread(rows):
+    """Threads take whole column ranges and run the one-thread code on them: every element is
+    summed the same way, so a split changes no bit (an odd column count and a k tail included)."""
+    rng = np.random.default_rng(rows)
+    w = mx.array(rng.standard_normal((1537, 131)).astype(np.float32))
+    x = mx.array(rng.standard_normal((rows, 131)).astype(np.float32))
+    before, results = platform.skinny_threads(), {}
+    try:
+        for threads in (1, 2):
+            assert platform.skinny_threads(threads) == threads
+            splits = platform.skinny_splits()
+            results[threads] = x @ w.T
+            mx.eval(results[threads])
+            assert platform.skinny_splits() - splits == (threads > 1)  # it really was split (or not)
+    finally:
+        platform.skinny_threads(before)
+    assert mx.array_equal(results[1], results[2]).item()
+
+
 @pytest.mark.skipif(not platform.blas_status().path, reason="no OpenBLAS")
 def test_self_test_refuses_a_library_that_computes_something_else():
     real = skinny_gemm._SGEMM_FN(("cblas_sgemm", ctypes.CDLL(platform.blas_status().path)))

@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tables", default="1234", help="which tables to print, e.g. 3 for the verify-cost curve")
     args = p.parse_args(argv)
 
     eng = load()
@@ -86,7 +87,18 @@ def main(argv: list[str] | None = None) -> int:
         platform.skinny_matmuls(skinny)
         target.compiled_off = compiled_off if compiled else "off for the comparison"
 
-    # 1. plain greedy decoding
+    if "1" in args.tables:
+        plain_decoding(eng, chat, args, configure, roof)
+    if "2" in args.tables:
+        step_anatomy(target, chat, args, configure)
+    if "3" in args.tables:
+        verify_curve(eng, args, configure)
+    if "4" in args.tables:
+        lookup_round(eng, target, args)
+    return 0
+
+
+def plain_decoding(eng, chat: list[int], args, configure, roof) -> None:
     def tandem(n: int) -> float:
         r = eng.generate(chat, mode="baseline", max_new_tokens=n)
         return r.decode_tps
@@ -125,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = med([a / b for a, b in zip(tps, ref)])
         print(f"{name:<38}{med(tps):8.1f}{1000 / med(tps):10.1f}{roof.fraction(med(tps), context):8.2f}{ratio:8.2f}")
 
-    # 2. one step's anatomy
+
+
+def step_anatomy(target, chat: list[int], args, configure) -> None:
     cache = target.new_cache()
     target.prefill(chat, cache)
     token = chat[-1]
@@ -151,32 +165,43 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLX graph nodes per token (plain path): {graph_nodes(target, cache, token)}; host syncs per token: 1 "
           f"(the token read; baseline queues the next step first)")
 
-    # 3. verify-cost curve
+
+def verify_curve(eng, args, configure) -> None:
+    """One forward of W rows on a warm cache: skinny matmuls split over the BLAS thread count,
+    the same on one thread, and OpenBLAS's gemm; x step = the cost over a baseline step (W=1)."""
+    target = eng.target
     widths = (1, 2, 3, 4, 6, 8, 9, 16)
+    threads = platform.skinny_threads()
+    arms = {f"skinny x{threads}": (True, threads), "skinny x1": (True, 1), "gemm": (False, threads)}
     long_prompt = eng.encode(CHAT * 6)
     cache = target.new_cache()
     target.prefill(long_prompt, cache)
-    curve: dict[tuple[int, bool], list[float]] = {}
-    for rep in range(max(5, args.repeats)):
-        for w in widths:
-            ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
-            for skinny in (True, False):
-                configure(skinny, True)
-                t0 = time.perf_counter()
-                logits, _, txn = target.verify(ids, cache)
-                mx.eval(logits)
-                curve.setdefault((w, skinny), []).append(time.perf_counter() - t0)
-                txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
-    configure(True, True)
+    curve: dict[tuple[int, str], list[float]] = {}
+    try:
+        for rep in range(max(5, args.repeats)):
+            for w in widths:
+                ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
+                for arm, (skinny, count) in arms.items():
+                    configure(skinny, True)
+                    platform.skinny_threads(count)
+                    t0 = time.perf_counter()
+                    logits, _, txn = target.verify(ids, cache)
+                    mx.eval(logits)
+                    curve.setdefault((w, arm), []).append(time.perf_counter() - t0)
+                    txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+    finally:
+        configure(True, True)
+        platform.skinny_threads(threads)
+    step = med(curve[(1, f"skinny x{threads}")])
     print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context "
-          f"(ms; x W=1 of the same arm)")
-    print(f"{'W':>4}{'skinny':>10}{'x1':>7}{'gemm':>10}{'x1':>7}{'gemm/skinny':>13}")
+          f"(ms; x step = over a baseline step, W=1 skinny, {step * 1e3:.1f} ms)")
+    print(f"{'W':>4}" + "".join(f"{arm:>14}{'x step':>8}" for arm in arms))
     for w in widths:
-        a, b = med(curve[(w, True)]) * 1e3, med(curve[(w, False)]) * 1e3
-        a1, b1 = med(curve[(1, True)]) * 1e3, med(curve[(1, False)]) * 1e3
-        print(f"{w:4d}{a:10.1f}{a / a1:7.2f}{b:10.1f}{b / b1:7.2f}{b / a:13.2f}")
+        print(f"{w:4d}" + "".join(f"{med(curve[(w, arm)]) * 1e3:14.1f}{med(curve[(w, arm)]) / step:8.2f}"
+                                  for arm in arms))
 
-    # 4. a speculative round: the round vs its target forward
+
+def lookup_round(eng, target, args) -> None:
     spent = {"forward": 0.0}
     real_forward, real_accept = target.forward, speculative.accept_greedy
 
@@ -214,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"round {round_s * 1e3:.1f} ms = target forward (graph build + compute + sync) {forward_s * 1e3:.1f} ms + "
           f"engine overhead {(round_s - forward_s) * 1e3:.2f} ms ({(round_s - forward_s) / round_s:.1%} of a round); "
           f"{med([x[2] for x in rows]):.2f} tokens/round, {med([x[3] for x in rows]):.1f} tok/s")
-    return 0
 
 
 if __name__ == "__main__":
