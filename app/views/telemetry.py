@@ -15,6 +15,7 @@ import pyqtgraph as pg  # noqa: E402
 from PySide6.QtCore import QTimer  # noqa: E402
 from PySide6.QtWidgets import QGridLayout, QProgressBar, QPushButton, QVBoxLayout, QWidget  # noqa: E402
 
+from app import theme  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
 from app.telemetry_model import acceptance_series, ceiling_curve, ceiling_tps, live_tps  # noqa: E402
 from app.views.common import (ACCENT, ACCENT_SOFT, GOOD, MUTED, WARN, Card, Stat, hbox, plain_label,  # noqa: E402
@@ -23,19 +24,40 @@ from app.views.common import (ACCENT, ACCENT_SOFT, GOOD, MUTED, WARN, Card, Stat
 REDRAW_MS = 100
 ACCEPT_WINDOW = 160  # rounds shown in the acceptance plot
 
-pg.setConfigOptions(antialias=True, background="w", foreground="#374151")
+pg.setConfigOptions(antialias=True)
 
 
 def _plot(title: str, left: str, bottom: str) -> pg.PlotWidget:
     w = pg.PlotWidget()
     w.setMinimumHeight(200)
     item = w.getPlotItem()
-    item.setTitle(f"<span style='font-size:11pt;color:#111827'>{title}</span>")
+    item.setTitle(title)
     item.setLabel("left", left)
     item.setLabel("bottom", bottom)
     item.showGrid(x=True, y=True, alpha=0.15)
     item.setMenuEnabled(False)
     return w
+
+
+def style_plot(w: pg.PlotWidget, colours: dict) -> None:
+    """Paint a plot in a theme's colours: background, title, axes and legend."""
+    w.setBackground(colours["surface"])
+    item = w.getPlotItem()
+    item.titleLabel.setText(item.titleLabel.text, size="11pt", color=colours["text_strong"])
+    for name in ("left", "bottom"):
+        axis = item.getAxis(name)
+        axis.setPen(pg.mkPen(colours["border_strong"]))
+        axis.setTextPen(pg.mkPen(colours["text_soft"]))
+        axis.setLabel(axis.labelText, color=colours["text_soft"])
+    legend = item.legend
+    if legend is not None:
+        fill = pg.mkColor(colours["surface"])
+        fill.setAlpha(230)  # the curves show faintly through
+        legend.setBrush(pg.mkBrush(fill))
+        legend.setPen(pg.mkPen(colours["border"]))
+        legend.setLabelTextColor(colours["text"])
+        for _, label in legend.items:
+            label.setText(label.text, color=colours["text"])
 
 
 class TelemetryView(QWidget):
@@ -78,10 +100,10 @@ class TelemetryView(QWidget):
         self.roof_plot.addLegend(offset=(-10, 10), labelTextSize="9pt")
         self.ceiling_line = self.roof_plot.plot([], [], pen=pg.mkPen(MUTED, width=2, style=pg.QtCore.Qt.DashLine),
                                                 name="bandwidth ceiling")
-        self.base_points = pg.ScatterPlotItem(size=10, brush=pg.mkBrush(MUTED), pen=pg.mkPen("w"), name="baseline")
-        self.spec_points = pg.ScatterPlotItem(size=11, brush=pg.mkBrush(ACCENT), pen=pg.mkPen("w"), symbol="d",
+        self.base_points = pg.ScatterPlotItem(size=10, brush=pg.mkBrush(MUTED), name="baseline")
+        self.spec_points = pg.ScatterPlotItem(size=11, brush=pg.mkBrush(ACCENT), symbol="d",
                                               name="speculative")
-        self.live_point = pg.ScatterPlotItem(size=14, brush=pg.mkBrush(WARN), pen=pg.mkPen("w"), symbol="star",
+        self.live_point = pg.ScatterPlotItem(size=14, brush=pg.mkBrush(WARN), symbol="star",
                                              name="current run")
         for item in (self.base_points, self.spec_points, self.live_point):
             self.roof_plot.addItem(item)
@@ -100,7 +122,7 @@ class TelemetryView(QWidget):
 
         self.cost_plot = _plot("Cost curves (calibration)", "ms", "tokens per target forward (cap + 1)")
         self.cost_plot.addLegend(offset=(10, 10), labelTextSize="9pt")
-        self.verify_points = pg.ScatterPlotItem(size=7, brush=pg.mkBrush(ACCENT), pen=pg.mkPen("w"),
+        self.verify_points = pg.ScatterPlotItem(size=7, brush=pg.mkBrush(ACCENT),
                                                 name="verify, measured")
         self.cost_plot.addItem(self.verify_points)
         self.verify_line = self.cost_plot.plot([], [], pen=pg.mkPen(ACCENT, width=2), name="verify, fitted")
@@ -110,8 +132,7 @@ class TelemetryView(QWidget):
         self.draft_line = self.cost_plot.plot([], [], pen=pg.mkPen(WARN, width=2), symbol="t", symbolSize=6,
                                               symbolBrush=WARN)
         self.cap_line = pg.InfiniteLine(angle=90, movable=False, pen=pg.mkPen(MUTED, style=pg.QtCore.Qt.DotLine),
-                                        label="", labelOpts={"position": 0.55, "color": MUTED,
-                                                             "fill": pg.mkBrush(255, 255, 255, 230)})
+                                        label="", labelOpts={"position": 0.55})  # colours: apply_theme
         self.cap_line.hide()
         self.cost_plot.addItem(self.cap_line)
         self.cost_hint = plain_label("Run “Calibrate this machine” to measure how the target's verify cost grows "
@@ -131,10 +152,22 @@ class TelemetryView(QWidget):
         bridge.calib_progress.connect(self._on_calib_progress)
         bridge.calib_finished.connect(self._on_calib_finished)
         bridge.calib_failed.connect(self._on_calib_failed)
+        self.apply_theme()
+        theme.notifier().changed.connect(self.apply_theme)
         self.timer = QTimer(self)
         self.timer.setInterval(REDRAW_MS)
         self.timer.timeout.connect(self.redraw)
         self.timer.start()
+
+    def apply_theme(self, _name: str = "") -> None:
+        """Plots follow the app's theme (pyqtgraph paints its own background, not Qt's palette)."""
+        c = theme.colours()
+        for plot in (self.roof_plot, self.acc_plot, self.cost_plot):
+            style_plot(plot, c)
+        for points in (self.base_points, self.spec_points, self.live_point, self.verify_points):
+            points.setPen(pg.mkPen(c["surface"]))  # outlines that separate overlapping markers
+        self.cap_line.label.fill = pg.mkBrush(pg.mkColor(c["surface"]))
+        self.cap_line.label.setColor(c["muted"])
 
     # -- drawing -------------------------------------------------------------------------------
     def redraw(self, force: bool = False) -> bool:

@@ -10,6 +10,7 @@ from typing import Sequence
 from PySide6.QtGui import QColor, QTextCharFormat
 from PySide6.QtWidgets import QLabel, QWidget
 
+from app import theme
 from app.views.common import BAD, hbox
 
 # Soft tints, so long runs stay readable and the diff's red still stands out on top of them.
@@ -50,23 +51,35 @@ def source_summary(sources: Sequence[str]) -> str:
     return f"{100 * drafted / n:.0f}% drafted ({', '.join(f'{k} {100 * c / n:.0f}%' for k, c in used.items())})"
 
 
-def _swatch(colour: str, text: str) -> QWidget:
-    box = QLabel()
-    box.setFixedSize(14, 14)
-    box.setStyleSheet(f"background:{colour}; border:1px solid #d1d5db; border-radius:3px;")
-    w = QWidget()
-    w.setLayout(hbox(box, QLabel(text), spacing=6))
-    return w
+class Legend(QWidget):
+    """One row: what each token colour means. The target's own tokens sit on the theme's surface,
+    so their swatch (and every swatch's border) follows the theme."""
 
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("tokenLegend")
+        rows = [(SOURCE_COLOURS["lookup"], SOURCE_LABELS["lookup"]),
+                (SOURCE_COLOURS["drafter"], SOURCE_LABELS["drafter"]),
+                (None, SOURCE_LABELS["target"]),  # None: the theme's surface
+                (BAD, "first token that differs from baseline")]
+        self.swatches: list[tuple[QLabel, str | None]] = []
+        items = []
+        for colour, text in rows:
+            box = QLabel()
+            box.setFixedSize(14, 14)
+            self.swatches.append((box, colour))
+            item = QWidget()
+            item.setLayout(hbox(box, QLabel(text), spacing=6))
+            items.append(item)
+        self.setLayout(hbox(*items, None, spacing=18))
+        self.apply_theme()
+        theme.notifier().changed.connect(self.apply_theme)
 
-def legend() -> QWidget:
-    """One row: what each token colour means."""
-    w = QWidget()
-    w.setObjectName("tokenLegend")
-    items = [_swatch(SOURCE_COLOURS["lookup"], SOURCE_LABELS["lookup"]),
-             _swatch(SOURCE_COLOURS["drafter"], SOURCE_LABELS["drafter"]),
-             _swatch("white", SOURCE_LABELS["target"]),
-             _swatch(BAD, "first token that differs from baseline")]
-    lay = hbox(*items, None, spacing=18)
-    w.setLayout(lay)
-    return w
+    def apply_theme(self, _name: str = "") -> None:
+        c = theme.colours()
+        for box, colour in self.swatches:
+            box.setStyleSheet(f"background:{colour or c['surface']}; border:1px solid {c['border_strong']}; "
+                              f"border-radius:3px;")
+
+def legend() -> Legend:
+    return Legend()
