@@ -431,7 +431,8 @@ def test_markdown_streaming_renders_the_last_message_only_and_keeps_the_scroll(m
 
     win.bridge.gen_text.connect(on_text)
     answer(qtbot, win, lambda: chat.send("w12"))
-    assert len(seen) >= 5 and bar.maximum() > 0 and set(seen) == {0} and bar.value() == 0  # not pulled down
+    # 60 tokens stream in >= 2 pieces (drafts are capped at 32); how many more depends on live timings
+    assert len(seen) >= 2 and bar.maximum() > 0 and set(seen) == {0} and bar.value() == 0  # not pulled down
     assert all(b.body.rendered is r for b, r in earlier)  # the earlier messages were left alone
     last = chat.bubbles[-1]
     assert last.content == chat.conv.messages[-1].content

@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Optional
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QFrame, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QFrame,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QTreeWidget,
+    QVBoxLayout,
+    QWidget,
+)
 
 MODES = ("auto", "baseline", "lookup", "draft", "dspark", "dflash", "eagle3", "mtp")  # = engine.generate.MODES (no MLX here)
 MODE_HELP = {
@@ -154,3 +163,20 @@ def spin(cls, lo, hi, value, step, decimals: int = 2):
     box.setSingleStep(step)
     box.setValue(value)
     return box
+
+
+def model_table(columns: list[str]) -> QTreeWidget:
+    """A flat, single-selection table of models: the first column stretches, the others fit."""
+    table = QTreeWidget()
+    table.setObjectName("modelTable")
+    table.setColumnCount(len(columns))
+    table.setHeaderLabels(columns)
+    table.setRootIsDecorated(False)
+    table.setAlternatingRowColors(True)
+    table.setSelectionMode(QAbstractItemView.SingleSelection)
+    table.setUniformRowHeights(True)
+    header = table.header()
+    header.setSectionResizeMode(0, QHeaderView.Stretch)
+    for i in range(1, len(columns)):
+        header.setSectionResizeMode(i, QHeaderView.ResizeToContents)
+    return table

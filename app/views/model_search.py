@@ -9,12 +9,12 @@ import re
 from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QComboBox, QHeaderView, QLineEdit, QProgressBar, QPushButton,
-                               QTreeWidget, QTreeWidgetItem, QWidget)
+from PySide6.QtWidgets import (QComboBox, QLineEdit, QProgressBar, QPushButton,
+                               QTreeWidgetItem, QWidget)
 
 from app import hub, hub_search
 from app.background import Job
-from app.views.common import Card, hbox, plain_label, set_tone
+from app.views.common import Card, hbox, model_table, plain_label, set_tone
 
 COLUMNS = ("Repository", "Format", "Parameters", "Download", "Memory needed", "Fits", "Downloads", "Likes",
            "Updated", "Local")
@@ -61,18 +61,7 @@ class HubPanel(Card):
         self.search_button.clicked.connect(self.search)
         self.body.addLayout(hbox((self.search_input, 1), self.format, self.search_button))
 
-        self.table = QTreeWidget()
-        self.table.setObjectName("modelTable")  # styled like the local table
-        self.table.setColumnCount(len(COLUMNS))
-        self.table.setHeaderLabels(COLUMNS)
-        self.table.setRootIsDecorated(False)
-        self.table.setAlternatingRowColors(True)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
-        self.table.setUniformRowHeights(True)
-        header = self.table.header()
-        header.setSectionResizeMode(0, QHeaderView.Stretch)
-        for i in range(1, len(COLUMNS)):
-            header.setSectionResizeMode(i, QHeaderView.ResizeToContents)
+        self.table = model_table(COLUMNS)  # styled like the local table
         self.table.itemSelectionChanged.connect(self._on_select)
         self.body.addWidget(self.table, 1)
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import (QAbstractItemView, QHeaderView, QMessageBox, QPushButton, QSplitter, QTreeWidget,
-                               QTreeWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import QMessageBox, QPushButton, QSplitter, QTreeWidgetItem, QVBoxLayout, QWidget
 
 from app import hub
 from app.background import Job
 from app.bridge import Bridge
-from app.views.common import Card, hbox, plain_label, set_tone, title_label
+from app.views.common import Card, hbox, model_table, plain_label, set_tone, title_label
 from app.views.model_search import HubPanel
 
 COLUMNS = ("Model", "Source", "Kind", "Format", "Size on disk", "Memory needed", "Fits", "Registry pair", "Status")
@@ -66,18 +65,7 @@ class ModelsView(QWidget):
                             self.memory_label, self.refresh_button))
 
         table_card = Card()
-        self.table = QTreeWidget()
-        self.table.setObjectName("modelTable")
-        self.table.setColumnCount(len(COLUMNS))
-        self.table.setHeaderLabels(COLUMNS)
-        self.table.setRootIsDecorated(False)
-        self.table.setAlternatingRowColors(True)
-        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
-        self.table.setUniformRowHeights(True)
-        header = self.table.header()
-        header.setSectionResizeMode(0, QHeaderView.Stretch)
-        for i in range(1, len(COLUMNS)):
-            header.setSectionResizeMode(i, QHeaderView.ResizeToContents)
+        self.table = model_table(COLUMNS)
         self.table.itemSelectionChanged.connect(self._on_selection)
         self.table.itemDoubleClicked.connect(lambda *_: self.load_selected())
         table_card.body.addWidget(self.table)

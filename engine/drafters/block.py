@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3 import (
+    MLP,  # gate/up/down SwiGLU, the key names checkpoints use
+)
 
 from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
@@ -374,17 +377,6 @@ class Attention(nn.Module):
         keys, values = kv.with_block(k, v)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.mask(p, n, keys.shape[2]))
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

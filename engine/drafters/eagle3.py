@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.qwen3 import (
+    MLP,  # gate/up/down SwiGLU, the key names checkpoints use
+)
 
 from engine.drafters.chain import ChainDrafter
 
@@ -80,17 +83,6 @@ class Attention(nn.Module):
         mask = "causal" if n > 1 else None  # rows after the cached ones, in order
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FirstLayer(nn.Module):
