@@ -34,9 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3 import (
-    MLP,  # gate/up/down SwiGLU, the key names checkpoints use
-)
+from mlx_lm.models.qwen3 import MLP  # SwiGLU with gate/up/down_proj: the checkpoints' key names
 
 from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
