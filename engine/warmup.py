@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from engine.protocols import EngineLike
 from engine.drafters.block import CONTEXT_CHUNK
+from engine.protocols import EngineLike
 from engine.shapes import StableKVCache
 
 WARM_TOKENS = 4096  # context the shapes are prepared for (later capacities compile on first use)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3 import MLP  # SwiGLU with gate/up/down_proj: the checkpoints' key names
+from mlx_lm.models.qwen3 import MLP
 
 from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
@@ -377,7 +377,7 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):  # MLP: mlx-lm's SwiGLU, gate/up/down_proj as checkpoints name them
     def __init__(self, cfg: BlockConfig, index: int):
         super().__init__()
         self.self_attn = Attention(cfg, index)
@@ -490,8 +490,6 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 
-# ----------------------------------------------------------------------------------------
-# The drafter
 def context_pieces(rows: int, stable: bool) -> list[int]:
     """Row counts to project ``rows`` pending context rows in: chunks of CONTEXT_CHUNK, and under
     a shape policy powers of two (a GPU backend compiles per shape: rows projected after a parked
@@ -506,6 +504,8 @@ def context_pieces(rows: int, stable: bool) -> list[int]:
     return pieces
 
 
+# ----------------------------------------------------------------------------------------
+# The drafter
 # ----------------------------------------------------------------------------------------
 class BlockDrafter(Drafter):
     """Shared state for DSpark/DFlash: the append-only context cache and the block forward.

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3 import MLP  # SwiGLU with gate/up/down_proj: the checkpoints' key names
+from mlx_lm.models.qwen3 import MLP
 
 from engine.drafters.chain import ChainDrafter
 
