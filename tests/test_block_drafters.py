@@ -42,6 +42,42 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
+def greedy_matches_baseline(engine: Engine, mode: str, caps, *, n_prompts: int = 8, seed: int = 11) -> tuple[int, int]:
+    """Greedy ``mode`` at each cap == baseline on ``n_prompts`` prompts of uneven lengths (1 to 24
+    new tokens); returns (drafted, accepted) over all runs."""
+    drafted = accepted = 0
+    for i, ids in enumerate(prompts(n_prompts, engine.model.args.vocab_size, seed=seed)):
+        n = [1, 3, 9, 16, 24][i % 5]
+        base = engine.generate(ids, mode="baseline", max_new_tokens=n)
+        for cap in caps:
+            res = engine.generate(ids, mode=mode, max_new_tokens=n, max_draft=cap)
+            assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"{engine.name}/prompt {i}/cap {cap}")
+            drafted, accepted = drafted + res.drafted, accepted + res.accepted
+    return drafted, accepted
+
+
+def feed_in_rounds(target: Target, drafter, ids: list[int], *, prefill: int = 5, rounds=(1, 3, 2, 1, 2)) -> int:
+    """Prefill ``prefill`` tokens, then commit rows in uneven rounds as the loop makes them (the
+    target's taps already set); returns how many tokens the drafter has seen."""
+    cache = target.new_cache()
+    _, hidden = target.prefill(ids[:prefill], cache, tap=True)
+    drafter.begin(ids[:prefill], hidden)
+    done = prefill
+    for n in rounds:
+        _, hidden = target.forward(mx.array([ids[done : done + n]]), cache, tap=True)
+        drafter.commit(ids[: done + n + 1], n, hidden)
+        done += n
+        assert drafter.context_len == done
+    return done
+
+
+def first_draft_q(target: Target, drafter, ids: list[int], params: SamplingParams) -> np.ndarray:
+    """The drafter's proposal distribution for its first slot after prefilling ``ids[:-1]``."""
+    _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
+    drafter.begin(ids[:-1], hidden)
+    return np.array(drafter.propose(ids, 1, Sampler(params)).probs[0])
+
+
 def write_dspark(path: Path, engine: Engine, *, copy_head: bool = True, markov_scale: float = 0.0, **kw) -> Path:
     cfg, w = ck.dspark_checkpoint(ck.target_config_of(engine.model), **kw)
     if copy_head:
@@ -232,16 +268,7 @@ def test_append_only_context_matches_a_clean_numpy_forward(tmp_path, kind):
     target = engine.target
     target.set_taps(drafter.tap_layers)
     ids = [5, 9, 17, 4, 33, 60, 2, 8, 71, 13, 40, 41, 42, 7, 19, 23]
-    # Prefill 5 tokens, then commit rows in uneven rounds as the loop does.
-    cache = target.new_cache()
-    _, hidden = target.prefill(ids[:5], cache, tap=True)
-    drafter.begin(ids[:5], hidden)
-    done = 5
-    for n in (1, 3, 2, 1, 2):
-        _, hidden = target.forward(mx.array([ids[done : done + n]]), cache, tap=True)
-        drafter.commit(ids[: done + n + 1], n, hidden)
-        done += n
-        assert drafter.context_len == done
+    done = feed_in_rounds(target, drafter, ids)
     got = np.array(drafter.block_states(ids[: done + 1]), dtype=np.float64)
     weights = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
     cfg = json.loads((path / "config.json").read_text())
@@ -535,10 +562,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path, kind):
     # rejected, in many rounds.
     rejected = sum(1 for d, a in rounds if a < d) / len(rounds)
     assert sum(a for _, a in rounds) > 0 and 0.2 < rejected, rejected
-    ids = [3, 4]
-    _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
-    drafter.begin(ids[:-1], hidden)
-    q = np.array(drafter.propose(ids, 1, Sampler(SamplingParams(1.0, 1.0, 12, seed=0))).probs[0])
+    q = first_draft_q(target, drafter, [3, 4], SamplingParams(1.0, 1.0, 12, seed=0))
     assert 0.5 * np.abs(q - exact[4]).sum() > 0.03
     if kind == "dspark+lookup":
         assert drafter.from_lookup > 1000 and drafter.from_model > 1000, (drafter.from_lookup, drafter.from_model)

@@ -20,10 +20,8 @@ from engine.errors import TandemError
 from engine.generate import Engine
 from engine.sampling import Sampler, SamplingParams, sample_from, target_probs
 from tests import drafter_ckpt as ck
-from tests.lossless import assert_same_greedy
 from tests.test_sampling import VOCAB, assert_exact, sample_paths
-from tests.test_block_drafters import (_refusal, bigram_engine, prompts, rms,
-                                       rope, tapped_hidden)
+from tests.test_block_drafters import _refusal, bigram_engine, first_draft_q, greedy_matches_baseline, rms, rope, tapped_hidden
 from tests.tiny import make_tiny_engine
 
 GREEDY = Sampler(SamplingParams())
@@ -224,15 +222,7 @@ def test_greedy_output_identical_to_baseline(tmp_path):
     near = bigram_engine(seed=8, vocab=48, scale=1.5)
     near.drafter_path = str(write_dflash2(tmp_path / "n", near, taps=[0, 1], silent=True, codebook_scale=5.0))
     for engine in (random_engine, near):
-        vocab = engine.model.args.vocab_size
-        drafted = 0
-        for i, ids in enumerate(prompts(8, vocab, seed=11)):
-            n = [1, 3, 9, 16, 24][i % 5]
-            base = engine.generate(ids, mode="baseline", max_new_tokens=n)
-            for cap in (0, 3):  # 0 = the full block (7 drafts)
-                res = engine.generate(ids, mode="dflash", max_new_tokens=n, max_draft=cap)
-                assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"{engine.name}/prompt {i}/cap {cap}")
-                drafted += res.drafted
+        drafted, _ = greedy_matches_baseline(engine, "dflash", (0, 3))  # 0 = the full block (7 drafts)
         assert drafted > 0 and isinstance(engine.drafter("dflash"), DFlash2Drafter)
 
 
@@ -245,11 +235,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
     drafter = engine.drafter("dflash")
     params = SamplingParams(temperature=1.0, top_p=0.95)
     assert_exact(sample_paths(engine.model, drafter, params, target=engine.target))
-    ids = [3, 4]
-    target = engine.target
-    _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
-    drafter.begin(ids[:-1], hidden)
-    q = np.array(drafter.propose(ids, 1, Sampler(params)).probs[0])
+    q = first_draft_q(engine.target, drafter, [3, 4], params)
     p = np.array(target_probs(engine.model(mx.array([[4]]))[0, -1], params))
     assert (q > 0).sum() <= 6 and abs(q.sum() - 1) < 1e-5 and 0.5 * np.abs(q - p).sum() > 0.03
 

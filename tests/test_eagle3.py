@@ -22,7 +22,8 @@ from engine.sampling import Sampler, SamplingParams, target_probs
 from tests import drafter_ckpt as ck
 from tests.lossless import assert_same_greedy
 from tests.test_sampling import VOCAB, assert_exact, sample_paths
-from tests.test_block_drafters import _edit, bigram_engine, prompts, rms, rope
+from tests.test_block_drafters import (_edit, bigram_engine, feed_in_rounds, first_draft_q, greedy_matches_baseline,
+                                       prompts, rms, rope)
 from tests.tiny import make_tiny_engine, make_tiny_model
 
 GREEDY = Sampler(SamplingParams())
@@ -129,15 +130,7 @@ def test_forward_matches_numpy_with_rows_fed_as_the_loop_commits(tmp_path, norm_
     target = engine.target
     target.set_taps(drafter.tap_layers)
     ids = [5, 9, 17, 4, 33, 60, 2, 8, 71, 13, 40, 41, 42, 7, 19]
-    cache = target.new_cache()
-    _, hidden = target.prefill(ids[:5], cache, tap=True)
-    drafter.begin(ids[:5], hidden)
-    done = 5
-    for n in (1, 3, 2, 1, 2):
-        _, hidden = target.forward(mx.array([ids[done : done + n]]), cache, tap=True)
-        drafter.commit(ids[: done + n + 1], n, hidden)
-        done += n
-    assert drafter.context_len == done
+    done = feed_in_rounds(target, drafter, ids)
     draft = drafter.propose(ids[: done + 1], 4, GREEDY)
     assert [c.offset for c in drafter._caches] == [done]
     w = {k: np.array(v) for k, v in mx.load(str(path / "model.safetensors")).items()}
@@ -165,15 +158,7 @@ def test_greedy_output_identical_to_baseline(tmp_path):
     near = bigram_engine(seed=8, vocab=48, scale=1.5)
     near.drafter_path = str(exact_eagle3(tmp_path / "n", near, draft_tokens=list(range(47, 7, -1)), aux=[1, 2]))
     for engine in (random_engine, near):
-        vocab = engine.model.args.vocab_size
-        drafted = accepted = 0
-        for i, ids in enumerate(prompts(8, vocab, seed=11)):
-            n = [1, 3, 9, 16, 24][i % 5]
-            base = engine.generate(ids, mode="baseline", max_new_tokens=n)
-            for cap in (1, 3, 5):
-                res = engine.generate(ids, mode="eagle3", max_new_tokens=n, max_draft=cap)
-                assert_same_greedy(engine.model, ids, base.token_ids, res.token_ids, f"{engine.name}/prompt {i}/cap {cap}")
-                drafted, accepted = drafted + res.drafted, accepted + res.accepted
+        drafted, accepted = greedy_matches_baseline(engine, "eagle3", (1, 3, 5))
         assert drafted > 0
     assert 0 < accepted < drafted  # tokens outside the draft vocabulary are rejected
 
@@ -202,11 +187,7 @@ def test_sampled_tokens_are_exact_samples_of_the_target(tmp_path):
     tally = sample_paths(engine.model, drafter, params, target=engine.target)
     assert_exact(tally)
     assert tally.observed[..., unlisted].sum() > 30  # produced through rejections only
-    ids = [3, 4]
-    target = engine.target
-    _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
-    drafter.begin(ids[:-1], hidden)
-    q = np.array(drafter.propose(ids, 1, Sampler(params)).probs[0])
+    q = first_draft_q(engine.target, drafter, [3, 4], params)
     p = np.array(target_probs(engine.model(mx.array([[4]]))[0, -1], params))
     assert q[unlisted].sum() == 0 and abs(q.sum() - 1) < 1e-5 and 0.5 * np.abs(q - p).sum() > 0.03
 
