@@ -165,13 +165,17 @@ def assert_exact(tally: Tally, cap: int = CAP) -> None:
     assert min(rejected_at) >= 20 and full[cap] >= 20, f"rounds by accepted drafts: {full}"
     assert tally.observed[1:].sum() >= 0.4 * RUNS * LENGTH  # a large share came from draft positions >= 1
     assert tally.impossible == 0
+    assert_conditionals(tally, cap)
 
+
+def assert_conditionals(tally: Tally, cap: int, label: str = "") -> None:
+    """Each position 0..cap: chi-square by previous token and pooled, and total variation < 0.1."""
     for j in range(cap + 1):
         for pooled in (False, True):
             stat, dof = tally.chi2(j, pooled)
-            assert chi2_sf(stat, dof) > ALPHA, f"position {j} ({'pooled' if pooled else 'by previous token'}): " \
+            assert chi2_sf(stat, dof) > ALPHA, f"{label}position {j} ({'pooled' if pooled else 'by previous token'}): " \
                                                f"chi-square {stat:.1f} on {dof} dof"
-        assert tally.tv(j) < 0.1, f"position {j}: total variation {tally.tv(j):.3f}"
+        assert tally.tv(j) < 0.1, f"{label}position {j}: total variation {tally.tv(j):.3f}"
 
 
 def _bonus_from_previous_row(drafts, draft_probs, target_logits, sampler):
