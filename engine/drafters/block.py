@@ -126,13 +126,22 @@ def _drafter_value(raw: dict, name: str, default: Any = None) -> Any:
     return raw.get(name, default)
 
 
+def is_eagle3(raw: dict) -> bool:
+    archs = [str(a).lower() for a in (raw.get("architectures") or [])]
+    return raw.get("speculators_model_type") == "eagle3" or any("eagle3" in a for a in archs)
+
+
+def is_mtp_sidecar(raw: dict) -> bool:
+    return "mtp" in str(raw.get("model_type", "")).lower()
+
+
 def checkpoint_kind(raw: dict, where: str = "drafter") -> str:
     """'dspark' or 'dflash' (DFlash 2 included) from a config.json, or a one-line refusal naming
     what the folder holds instead."""
     archs = [str(a) for a in (raw.get("architectures") or [])]
-    if raw.get("speculators_model_type") == "eagle3" or any("eagle3" in a.lower() for a in archs):
+    if is_eagle3(raw):
         raise TandemError(f"{where} is an EAGLE-3 checkpoint; use --mode eagle3")
-    if "mtp" in str(raw.get("model_type", "")).lower():
+    if is_mtp_sidecar(raw):
         raise TandemError(f"{where} is an MTP head (sidecar); use --mode mtp")
     if "speculators_config" in raw or "speculators_model_type" in raw:
         kind = raw.get("speculators_model_type", "?")

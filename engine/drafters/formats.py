@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.drafters.block import checkpoint_kind
+from engine.drafters.block import checkpoint_kind, is_eagle3, is_mtp_sidecar
 from engine.drafters.checkpoint import check_weights, draft_vocab_ids, read_config
 from engine.errors import TandemError
 
@@ -46,15 +46,6 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------
 # Which drafter a folder holds
 # ----------------------------------------------------------------------------------------
-def is_eagle3(raw: dict) -> bool:
-    archs = [str(a).lower() for a in (raw.get("architectures") or [])]
-    return raw.get("speculators_model_type") == "eagle3" or any("eagle3" in a for a in archs)
-
-
-def is_mtp_sidecar(raw: dict) -> bool:
-    return "mtp" in str(raw.get("model_type", "")).lower()
-
-
 def drafter_kind(raw: dict, where: str = "drafter") -> str:
     """'dspark', 'dflash', 'eagle3' or 'mtp' for a drafter's config.json (refusals in one line)."""
     if is_eagle3(raw):
