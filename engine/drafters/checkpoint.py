@@ -188,6 +188,8 @@ def restrict_vocab(model: "DSparkModel", ids: Sequence[int]) -> None:
     reads len(ids) x H head weights instead of V x H. Drafts can then only be these tokens;
     what the target accepts is unchanged (the verify rule sees the q drafts came from)."""
     current = model.cfg.draft_vocab
+    if current and tuple(int(i) for i in ids) == tuple(current):
+        return  # already over exactly these rows (a head stored over d2t, no narrower --draft-vocab)
     if current:  # already restricted: pick rows by their place in the current list
         where = {t: i for i, t in enumerate(current)}
         idx = mx.array([where[int(i)] for i in ids], dtype=mx.uint32)
