@@ -24,7 +24,7 @@ cache (``snapshot``/``restore``, ``trimmable_to``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -101,6 +101,22 @@ def length(cache: list) -> int | None:
         if type(c) is not ArraysCache:
             return int(c.offset)
     return None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (binary search on slices: C speed)."""
+    a, b = list(a), list(b)
+    hi = min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def trim(c: Any, n: int) -> None:

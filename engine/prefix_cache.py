@@ -76,22 +76,6 @@ def layer_classes(cache: list) -> list[str]:
     return [type(c).__name__ for c in caches.leaves(cache)]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists (binary search on slices: C speed)."""
-    a, b = list(a), list(b)
-    hi = min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 # ----------------------------------------------------------------------------------------
 # Identity
 # ----------------------------------------------------------------------------------------
@@ -165,7 +149,7 @@ class Entry:
 
     def usable(self, prompt: Sequence[int], drafter_key: str | None, needs_state: bool) -> int:
         """The most prompt tokens this entry can restore for ``prompt`` (0: none)."""
-        limit = common_prefix(self.tokens, prompt)
+        limit = caches.common_prefix(self.tokens, prompt)
         if needs_state:
             state = self.drafters.get(drafter_key) if drafter_key else None
             limit = min(limit, state.tokens) - state.lookahead if state else 0

@@ -16,9 +16,10 @@ import openai
 import pytest
 
 from engine.api import Session
+from engine.caches import common_prefix
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.generate import Engine
-from engine.prefix_cache import MARK_EVERY, PrefixCache, common_prefix, layer_classes
+from engine.prefix_cache import MARK_EVERY, PrefixCache, layer_classes
 from engine.serve.chat_format import render_chat
 from engine.serve.server import make_server
 from tests.lossless import assert_same_greedy

@@ -91,7 +91,7 @@ class DraftModelDrafter(Drafter):
         caches.restore(self._cache, state.tree["cache"])
         head = list(prompt_ids)[:-1]
         stored = [int(t) for t in state.tree["ids"].tolist()]
-        keep = _common_prefix(stored, head)
+        keep = caches.common_prefix(stored, head)
         if not caches.trimmable_to(self._cache, keep):  # e.g. a recurrent draft model past its state
             self.begin(prompt_ids, hidden)
             return
@@ -104,7 +104,7 @@ class DraftModelDrafter(Drafter):
         if self._uncommitted.size:  # proposed again without a commit (calibration): the drafts are in
             self._cached += self._uncommitted.tolist()
             self._uncommitted = mx.array([], dtype=mx.uint32)
-        keep = min(_common_prefix(self._cached, ids), len(ids) - 1)  # always feed at least the anchor
+        keep = min(caches.common_prefix(self._cached, ids), len(ids) - 1)  # always feed at least the anchor
         if keep < len(self._cached):
             if self._trims:
                 for c in caches.leaves(self._cache):
@@ -148,12 +148,3 @@ class DraftModelDrafter(Drafter):
         # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
         self._cached += self._uncommitted.tolist()
         self._uncommitted = mx.array([], dtype=mx.uint32)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
