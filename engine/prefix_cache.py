@@ -49,7 +49,8 @@ MARK_EVERY = 4 * PREFILL_CHUNK  # prefill tokens between snapshots of caches tha
 MEMORY_FRACTION = 0.25  # of the memory available when the engine starts
 MIN_MEMORY_BYTES = 64 << 20
 MAX_MEMORY_BYTES = 32 << 30
-APPEND_ONLY = ("KVCache", "QuantizedKVCache", "ConcatenateKVCache")  # trimmable back to any prefix
+# Trimmable back to any prefix: the caches the verify trims, but a chunked one (it drops old rows).
+APPEND_ONLY = tuple(c.__name__ for c in caches.TRIMMED if c is not caches.ChunkedKVCache)
 _TAPPED = re.compile(r"(layers\.\d+)\.layer\.")
 
 

@@ -78,7 +78,7 @@ def _rebuild(skeleton: Any, arrays: dict[str, mx.array]) -> Any:
 
 def _compact(cls: str, state: Any) -> Any:
     """A KV cache's state without the unused rows past its offset (its buffer grows in steps)."""
-    if cls == "KVCache" and state[0] is not None:
+    if cls in ("KVCache", "StableKVCache") and state[0] is not None:
         keys, values, offset = state
         return [keys[..., :offset, :], values[..., :offset, :], offset]
     return state

@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 
+from engine import prefix_disk
 from engine.api import Session
 from engine.caches import common_prefix
 from engine.drafters.draft_model import DraftModelDrafter
@@ -439,3 +440,23 @@ def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
             assert reply.strip() == ref.text.strip()
     finally:
         srv.stop()
+
+
+def test_stable_shape_caches_are_cut_back_like_plain_ones(tmp_path):
+    """Under the CUDA shape policy (StableKVCache buffers in steps), a stored prompt is trimmable back
+    to any prefix like mlx-lm's KVCache (no per-layer snapshots), the disk tier stores its rows only,
+    and a later prompt that diverges inside it is served from it with the same greedy tokens."""
+    from engine.shapes import ShapePolicy
+
+    engine, _ = engine_for("baseline", tmp_path)
+    engine.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    p1 = user(40, 50)
+    engine.generate(p1, mode="baseline", max_new_tokens=6)
+    entry = next(engine.prefix_cache.entries())
+    assert set(entry.classes) == {"StableKVCache"} and set(entry.floors) == {0} and not entry.marks
+    keys = prefix_disk._compact("StableKVCache", entry.final[0])[0]
+    assert keys.shape[2] == entry.final[0][2] < entry.final[0][0].shape[2]  # the rows, not the buffer
+    p2 = p1[:30] + user(41, 12)
+    warm = engine.generate(p2, mode="baseline", max_new_tokens=10)
+    assert warm.cached_tokens == 30
+    assert warm.token_ids == engine.generate(p2, mode="baseline", max_new_tokens=10, prefix_cache=False).token_ids
