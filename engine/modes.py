@@ -142,19 +142,6 @@ def mtp_drafter(engine: EngineLike) -> Drafter:
     return _behind_lookup(engine, drafter, None)
 
 
-def mtp_problem(engine: EngineLike) -> str | None:
-    """Why --mode mtp cannot run on this engine, or None. Reads configs and file headers only."""
-    from engine import registry
-
-    if engine.drafter_path:
-        try:
-            kind = registry.drafter_path_kind(engine.drafter_path)
-        except TandemError as e:
-            return str(e)
-        return None if kind == "mtp" else f"the drafter {engine.drafter_path} is a {registry.LABELS[kind]} checkpoint (--mode {kind})"
-    return registry.own_mtp_problem(engine)
-
-
 def speculation_blocker(engine: EngineLike) -> str | None:
     """Why this target cannot verify drafts (a cache the engine cannot roll back), or None."""
     reason = engine.target.speculation_blocker()
@@ -193,10 +180,8 @@ def mode_support(engine: EngineLike, modes: tuple[str, ...]) -> dict[str, str | 
             reason = blocker + "; only baseline runs"
         elif mode == "draft":
             reason = None if engine.draft_model_spec else "needs a draft model sharing the tokenizer (--draft-model)"
-        elif mode in CHECKPOINT_MODES:
+        elif mode in (*CHECKPOINT_MODES, "mtp"):
             reason = registry.drafter_problem(engine, mode)
-        elif mode == "mtp":
-            reason = mtp_problem(engine)
         else:
             reason = None
         support[mode] = reason

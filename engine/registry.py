@@ -241,12 +241,15 @@ def auto_mode(engine: EngineLike) -> str:
 
 
 def drafter_problem(engine: EngineLike, mode: str) -> str | None:
-    """Why ``--mode dspark/dflash/eagle3`` cannot run on this engine (no drafter on this machine,
-    or the --drafter checkpoint is of another kind), or None. Reads configs only."""
+    """Why ``--mode dspark/dflash/eagle3/mtp`` cannot run on this engine (no drafter on this
+    machine, no MTP head, or the --drafter checkpoint is of another kind), or None. Reads configs
+    and file headers only."""
     if engine.drafter_path:
         try:
             kind = drafter_path_kind(engine.drafter_path)
         except TandemError as e:
             return str(e)
         return None if kind == mode else f"the drafter {engine.drafter_path} is a {LABELS[kind]} checkpoint (--mode {kind})"
+    if mode == "mtp":
+        return own_mtp_problem(engine)
     return None if usable_row(engine, mode) else missing_drafter_message(engine, mode)

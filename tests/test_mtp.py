@@ -296,7 +296,7 @@ def test_every_bad_head_or_sidecar_is_refused_with_its_reason(tmp_path):
     assert "FP8" in _refused(sidecar("fp8", fp8))
     # A target without a head of its own: an mlx-community-style conversion, and other families.
     stripped = load(str(qwen3_5_folder(tmp_path / "stripped", mtp=False)))
-    assert "ships no MTP head" in _refused(stripped) and "ships no MTP head" in modes.mtp_problem(stripped)
+    assert "ships no MTP head" in _refused(stripped) and "ships no MTP head" in modes.mode_support(stripped, ("mtp",))["mtp"]
     plain = make_tiny_engine("qwen3", seed=1)
     assert "has no MTP head we can run" in _refused(plain)
     plain.loaded = SimpleNamespace(config={"model_type": "deepseek_v4", "num_nextn_predict_layers": 1}, path=tmp_path,
