@@ -214,9 +214,8 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
         if progress is not None:
             progress(done, total, label)
 
-    warm_up = getattr(engine, "warm_up", None)
-    if warm_up is not None:  # the shapes every arm will use, compiled before any timing
-        warm_up(list(dict.fromkeys(a.mode for a in arms)), progress=warmup_progress)
+    if engine.target.shapes is not None:  # the shapes every arm will use, compiled before any timing
+        engine.warm_up(list(dict.fromkeys(a.mode for a in arms)), progress=warmup_progress)
     for arm in arms:  # warm-up: first-call allocations, kernel selection
         gen(arm, encoded[0], 8)
         tick(f"warm-up {arm.name}")

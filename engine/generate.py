@@ -207,7 +207,7 @@ class Engine:
         modes = [self.resolve_mode(m) for m in modes]
         prompt = [(5 * i + 2) % max(2, self.target.vocab_size) for i in range(16)]
         return warm_up(self, modes, tokens=tokens or WARM_TOKENS, progress=progress,
-                       generate=lambda m: self.generate(prompt, mode=m, max_new_tokens=8))
+                       generate=lambda m: self.generate(prompt, mode=m, max_new_tokens=8, prefix_cache=False))
 
     def mode_support(self) -> dict[str, str | None]:
         """Every mode, with None when this engine can run it, else the one-line reason it cannot
