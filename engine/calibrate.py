@@ -426,8 +426,7 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
     forwards = target.forwards
     shapes = target.shapes
     if shapes is not None:  # the loop pads every verify to the ladder: measure those widths only
-        widest = shapes.pad(drafter.max_draft + 1)
-        widths = [w for w in shapes.widths if w <= widest] + ([widest] if widest not in shapes.widths else [])
+        widths = shapes.ladder(drafter.max_draft + 1)
     else:
         widths = width_grid(drafter.max_draft + 1, dense_to=33 if drafter.has_model else 9)
     caps = width_grid(drafter.max_draft, dense_to=33) if drafter.has_model else []

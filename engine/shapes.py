@@ -46,9 +46,16 @@ class ShapePolicy:
                 return w
         return width
 
-    def capacity(self, rows: int) -> int:
-        """Buffer rows holding ``rows`` (a multiple of ``step``)."""
-        return max(1, -(-rows // self.step)) * self.step
+    def ladder(self, width: int) -> list[int]:
+        """Every width a forward of up to ``width`` rows runs at (the calibrator measures them,
+        the warm-up compiles them)."""
+        widest = self.pad(width)
+        return [w for w in self.widths if w <= widest] + ([widest] if widest not in self.widths else [])
+
+
+def capacity(rows: int, step: int) -> int:
+    """Buffer rows holding ``rows``: a multiple of ``step``, at least one step."""
+    return max(1, -(-rows // step)) * step
 
 
 def default_policy() -> ShapePolicy | None:
@@ -96,7 +103,7 @@ class StableKVCache(KVCache):
         return self.keys, self.values
 
     def _grow(self, need: int, keys: mx.array, values: mx.array) -> None:
-        size = max(1, -(-need // self.step)) * self.step
+        size = capacity(need, self.step)
         b, heads, _, k_dim = keys.shape
         new_k = mx.zeros((b, heads, size, k_dim), keys.dtype)
         new_v = mx.zeros((b, heads, size, values.shape[3]), values.dtype)
@@ -113,10 +120,10 @@ class StableKVCache(KVCache):
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if n == 1:
             return super().make_mask(n, return_array=return_array, window_size=window_size)
-        capacity = max(1, -(-(self.offset + n) // self.step)) * self.step
+        rows = capacity(self.offset + n, self.step)
         if self.keys is not None:
-            capacity = max(capacity, self.keys.shape[2])
-        return capacity_mask(self.offset, n, capacity, window_size)
+            rows = max(rows, self.keys.shape[2])
+        return capacity_mask(self.offset, n, rows, window_size)
 
 
 def stabilize(cache: list, policy: ShapePolicy | None) -> list:

@@ -34,7 +34,7 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
     policy = target.shapes
     capacities = list(range(policy.step, max(tokens, policy.step) + 1, policy.step)) if policy else []
     widest = max([d.max_draft + 1 for d in drafters.values() if d is not None] + [1])
-    widths = [w for w in (policy.widths if policy else ()) if w <= policy.pad(widest)]
+    widths = policy.ladder(widest) if policy else []
     block_drafters = [d for d in {id(d): d for d in drafters.values()}.values() if hasattr(getattr(
         d, "model_drafter", d), "reserve")]
     total = len(capacities) * (len(widths) + len(block_drafters)) + len(modes)

@@ -38,6 +38,7 @@ from mlx_lm.models.qwen3 import MLP
 
 from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
+from engine.shapes import capacity, capacity_mask
 
 if TYPE_CHECKING:
     from engine.shapes import ShapePolicy
@@ -308,7 +309,7 @@ class ContextKV:
     def _fit(self, need: int, k: mx.array, v: mx.array) -> None:
         if self.keys is not None and need <= self.keys.shape[2]:
             return
-        size = ((need + self.step - 1) // self.step) * self.step
+        size = capacity(need, self.step)
         new_k = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
         new_v = mx.zeros((1, v.shape[1], size, v.shape[3]), dtype=v.dtype)
         if self.keys is not None and self.offset:
@@ -366,7 +367,6 @@ class Attention(nn.Module):
         block (causal and windowed for DFlash sliding layers), nothing past them. None: all."""
         if keys == p + n and not (self.causal or self.window):
             return None
-        from engine.shapes import capacity_mask
 
         return capacity_mask(p, n, keys, self.window, self.causal)
 
