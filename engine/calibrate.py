@@ -346,10 +346,7 @@ def confidence_trace(engine: EngineLike, drafter: Drafter, texts: Sequence[str],
     out: list[tuple[list[float], int]] = []
     tok = engine.tokenizer
     for text in texts:
-        if getattr(tok, "chat_template", None):
-            ids = list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-        else:
-            ids = list(tok.encode(text))
+        ids = engine.encode(text)
         inner.trace, stats = [], DecodeStats()
         try:
             for _ in decode(engine.target, inner, ids, Sampler(SamplingParams()), max_new_tokens=max_new_tokens,

@@ -24,3 +24,5 @@ class EngineLike(Protocol):
     confidence_rule: str | None
     draft_vocab: int | None
     lookup_first: bool | None
+
+    def encode(self, prompt: Any, *, chat_template: bool = True, system: str | None = None) -> list[int]: ...
