@@ -31,3 +31,19 @@ def test_plots_and_the_race_legend_follow_the_theme(qtbot):
             assert f"background:{c['surface']};" in target_swatch and c["border_strong"] in target_swatch
     finally:
         theme.apply(QGuiApplication.instance(), "light")
+
+
+def test_plain_text_set_on_a_markdown_view_survives_a_theme_change(qtbot):
+    """A failed Race lane shows plain text in place of its partial Markdown: a theme change must not
+    render the old Markdown back into it."""
+    from app.views.markdown_view import MarkdownView
+
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    view.set_markdown("**partial** answer")
+    view.setPlainText("")
+    try:
+        theme.apply(QGuiApplication.instance(), "dark")
+        assert view.toPlainText() == "" and view.markdown == ""
+    finally:
+        theme.apply(QGuiApplication.instance(), "light")

@@ -51,6 +51,11 @@ class MarkdownView(QTextBrowser):
         self.markdown = ""
         super().setHtml(text)
 
+    def setPlainText(self, text: str) -> None:
+        """Plain text from the caller (a failed Race lane) replaces the Markdown too."""
+        self.markdown = ""
+        super().setPlainText(text)
+
     def clear(self) -> None:
         """Cleared for other content (Race's coloured tokens): a theme change keeps that too."""
         self.markdown = ""
