@@ -218,7 +218,7 @@ class EngineWorker(QObject):
         out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
                    sources=token_sources(made_by)[: len(r.token_ids)],
                    ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
-                   cached_tokens=int(getattr(r, "cached_tokens", 0) or 0), model=eng.name,
+                   cached_tokens=r.cached_tokens, model=eng.name,
                    temperature=float(params.get("temperature") or 0.0))
         if r.generated > 1 and r.finish_reason != "cancelled":
             tel.push_point({"mode": r.mode, "tps": r.decode_tps, "context": r.prompt_tokens + r.generated / 2,
@@ -390,24 +390,23 @@ class _Cancelled(Exception):
 
 # -- helpers (run in the worker thread) ----------------------------------------------------------
 def _clear_prefix_cache(eng) -> None:
-    clear = getattr(eng, "clear_prefix_cache", None)  # engines before the prefix cache have none
-    if clear is not None:
-        try:
-            clear()
-        except Exception as err:
-            _report(err)
+    try:
+        eng.clear_prefix_cache()
+    except Exception as err:
+        _report(err)
 
 
 def _auto_choice(eng) -> dict:
     """What --mode auto runs on this engine, and with which drafter (for the chat's header)."""
+    from engine import registry
+    from engine.modes import CHECKPOINT_MODES
+
     try:
         mode = eng.resolve_mode("auto")
         drafter = eng.drafter_path
-        if drafter is None and mode in ("dspark", "dflash"):
-            from engine import registry
-
+        if drafter is None and mode in (*CHECKPOINT_MODES, "mtp"):  # a registry row's drafter
             row = registry.usable_row(eng, mode, for_auto=True)
-            drafter = row["drafter"] if row else None
+            drafter = row.get("drafter") if row else None
     except Exception as err:  # the header goes without it; generation reports its own errors
         print(f"tandem app: auto mode unknown: {_one_line(err)}", file=sys.stderr)
         return {}
@@ -415,12 +414,9 @@ def _auto_choice(eng) -> dict:
 
 
 def _mode_support(eng) -> Optional[dict]:
-    """{mode: None (runs) or why it cannot}, when the engine can tell; None = unknown."""
-    support = getattr(eng, "mode_support", None)
-    if support is None:
-        return None
+    """{mode: None (runs) or why it cannot}; None = unknown (the engine could not tell)."""
     try:
-        return {str(mode): (None if why is None else str(why)) for mode, why in support().items()}
+        return {str(mode): (None if why is None else str(why)) for mode, why in eng.mode_support().items()}
     except Exception as err:
         _report(err)
         return None

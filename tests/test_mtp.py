@@ -351,6 +351,9 @@ def test_hybrid_target_greedy_identical_to_baseline_and_auto_picks_the_head(tmp_
     engines = (load(str(qwen3_5_folder(tmp_path / "Qwen3.5-4B"))),  # a random head: rejections at once
                load(str(near_bigram_qwen3_5_folder(tmp_path / "near"))))
     assert engines[0].resolve_mode("auto") == "mtp" and engines[0].mode_support()["mtp"] is None
+    from app.worker import _auto_choice  # the chat header names the registry row's drafter
+
+    assert _auto_choice(engines[0]) == {"auto_mode": "mtp", "auto_drafter": "model:mtp"}
     for engine in engines:
         vocab = engine.loaded.config["text_config"]["vocab_size"]
         drafted = accepted = partial = 0
