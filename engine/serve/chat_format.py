@@ -356,7 +356,7 @@ class Reply:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens the prefix cache restored instead of computing."""
-        return int(getattr(self.result, "cached_tokens", 0) or 0)
+        return self.result.cached_tokens if self.result is not None else 0
 
     @property
     def finish(self) -> str:

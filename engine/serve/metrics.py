@@ -59,7 +59,7 @@ class Metrics:
             t = self.totals
             t["generations"] += 1
             t["prompt_tokens"] += result.prompt_tokens
-            t["cached_tokens"] += getattr(result, "cached_tokens", 0)
+            t["cached_tokens"] += result.cached_tokens
             t["generated_tokens"] += result.generated
             t["prefill_seconds"] += result.prefill_s
             t["decode_seconds"] += result.decode_s
