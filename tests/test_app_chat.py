@@ -453,6 +453,8 @@ def test_markdown_race_lanes_render_code(qtbot):
     pieces = ["Code:", "\n\n```", "python\n", "x = 1\n", "```\n"]
     for piece in pieces:  # while the lane runs: its text as Markdown
         lane.append_live(piece)
+    assert lane.body.toPlainText() == ""  # not rendered per piece (GUI-thread work during decoding) ...
+    qtbot.waitUntil(lambda: "x = 1" in lane.body.toPlainText(), timeout=2000)  # ... but within 60 ms
     assert "x = 1" in lane.body.toPlainText() and "```" not in lane.body.toPlainText()
     lane.data = {"pieces": pieces, "token_ids": list(range(len(pieces))), "mode": "lookup",
                  "sources": ["target"] * len(pieces)}

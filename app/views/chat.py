@@ -24,11 +24,11 @@ from app.settings import AppSettings, history_path, sampling_settings
 from app.views.chat_header import ChatHeader
 from app.views.chat_widgets import ConversationList, MessageWidget, ParametersPanel, PromptEdit
 from app.views.common import hbox, plain_label, set_tone, turn_stats
+from app.views.markdown_view import STREAM_RENDER_MS
 from engine.errors import TandemError
 
 WELCOME = ("Ask anything. Replies stream from the local model. Pick a decoding mode above: at temperature 0 "
            "every mode gives the same text, only faster.")
-RENDER_MS = 60  # a streaming answer re-renders at most this often
 FOLLOW_SLACK = 40  # px from the bottom that still counts as "at the bottom"
 STAT_KEYS = ("tokens", "prompt_tokens", "cached_tokens", "decode_tps", "ttft_s", "mean_accepted", "mode", "cap",
              "finish_reason", "model", "temperature")
@@ -147,7 +147,7 @@ class ChatView(QWidget):
 
         self._render_timer = QTimer(self)
         self._render_timer.setSingleShot(True)
-        self._render_timer.setInterval(RENDER_MS)
+        self._render_timer.setInterval(STREAM_RENDER_MS)
         self._render_timer.timeout.connect(self._render_stream)
 
         b = bridge

@@ -13,6 +13,10 @@ from PySide6.QtWidgets import QFrame, QSizePolicy, QTextBrowser
 from app import markdown_render, theme
 
 
+STREAM_RENDER_MS = 60  # a streaming answer re-renders at most this often (a full render per token
+# is Python work on the GUI thread, competing with decoding for the GIL)
+
+
 class MarkdownView(QTextBrowser):
     copied = Signal(str)  # the text put on the clipboard
 

@@ -18,7 +18,7 @@ from app.bridge import Bridge
 from app.race_verdict import replay_length, speedup, token_diff, visible_tokens
 from app.views.common import (ACCENT, LANE_COLOURS, MODE_HELP, Card, fmt_rate, fmt_seconds, hbox, plain_label,
                               set_tone, spin, title_label)
-from app.views.markdown_view import MarkdownView
+from app.views.markdown_view import STREAM_RENDER_MS, MarkdownView
 from app.views.token_colours import legend, source_summary, token_format
 
 RACE_MODES = ("lookup", "draft", "dspark", "dflash")
@@ -50,6 +50,10 @@ class Lane(QFrame):
         self.meta = plain_label("", "laneMeta")
         lay.addWidget(self.meta)
         self.body = MarkdownView("laneBody", auto_height=False)
+        self._live_timer = QTimer(self)  # live text is rendered at most every STREAM_RENDER_MS
+        self._live_timer.setSingleShot(True)
+        self._live_timer.setInterval(STREAM_RENDER_MS)
+        self._live_timer.timeout.connect(self._render_live)
         self.markdown = False  # the replay renders Markdown instead of coloured tokens
         lay.addWidget(self.body, 1)
         self.verdict = plain_label("", "laneVerdict")
@@ -61,12 +65,19 @@ class Lane(QFrame):
     def append_live(self, text: str) -> None:
         self.live_text += text
         self.shown = -1
+        if not self._live_timer.isActive():
+            self._live_timer.start()
+
+    def _render_live(self) -> None:
         self.body.set_markdown(self.live_text)
         bar = self.body.verticalScrollBar()
         bar.setValue(bar.maximum())
 
     def finish(self, data: dict, baseline_tps: float) -> None:
         self.data = data
+        if self._live_timer.isActive():  # the last live text, rendered now
+            self._live_timer.stop()
+            self._render_live()
         if "error" in data:
             self.speed.setText("failed")
             self.meta.setText("")
