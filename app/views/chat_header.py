@@ -14,7 +14,7 @@ from PySide6.QtWidgets import QComboBox, QProgressBar, QPushButton, QVBoxLayout,
 
 from app import hub
 from app.bridge import Bridge
-from app.views.chat_widgets import ElidedLabel, ModelCombo
+from app.views.chat_widgets import ElidedLabel
 from app.views.common import MODE_HELP, MODES, hbox, plain_label
 
 
@@ -27,12 +27,11 @@ class ChatHeader(QWidget):
         self.entries: Callable[[], list[hub.ModelEntry]] = list
         self.load_entry: Callable[[hub.ModelEntry], None] = lambda e: self.switch_model(e.spec)
         self.title = ElidedLabel("chatTitle")
-        self.model_box = ModelCombo()
+        self.model_box = QComboBox()  # refilled whenever the Models tab lists (scan, download, evict)
         self.model_box.setObjectName("modelPicker")
         self.model_box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
         self.model_box.setMinimumContentsLength(22)
         self.model_box.setToolTip("The model that answers; switching keeps this chat")
-        self.model_box.about_to_open.connect(self.refresh_models)  # a model downloaded meanwhile shows up
         self.model_box.activated.connect(self._on_model_chosen)
         self.drafter_label = plain_label("", "hint", wrap=False)
         self.load_bar = QProgressBar()

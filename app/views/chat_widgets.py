@@ -7,7 +7,7 @@ from typing import Optional
 
 from PySide6.QtCore import QTimer, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit, QListWidget,
+from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QToolButton,
                                QVBoxLayout, QWidget)
 
@@ -153,16 +153,6 @@ class PromptEdit(QPlainTextEdit):
             self._on_send()
             return
         super().keyPressEvent(event)
-
-
-class ModelCombo(QComboBox):
-    """Refreshes its list just before it opens (a model downloaded meanwhile shows up)."""
-
-    about_to_open = Signal()
-
-    def showPopup(self) -> None:
-        self.about_to_open.emit()
-        super().showPopup()
 
 
 class ConversationList(QFrame):
