@@ -109,6 +109,30 @@ def resolve_model_path(spec: Optional[str], *, allow_download: bool = False) -> 
     return _resolve(spec, allow_download).path
 
 
+class SafetensorsHeaderError(ValueError):
+    """A .safetensors header that cannot be read: what is wrong, in a few words."""
+
+
+def safetensors_header(file: Path, max_bytes: int | None = None) -> tuple[dict, int]:
+    """A .safetensors file's JSON header (tensor names -> dtype/shape/offsets, ``__metadata__``)
+    and its length in bytes, read without the tensors. Raises OSError or SafetensorsHeaderError."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise SafetensorsHeaderError("truncated (no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or (max_bytes is not None and n > max_bytes):
+            raise SafetensorsHeaderError(f"truncated or corrupt header (claims {n} bytes, file has {size})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:  # UnicodeDecodeError included
+            raise SafetensorsHeaderError("corrupt header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError("corrupt header")
+    return header, n
+
+
 def check_safetensors(file: Path) -> Optional[str]:
     """Why a .safetensors file is unusable (truncated, bad header), or None if it looks fine.
 
@@ -117,20 +141,11 @@ def check_safetensors(file: Path) -> Optional[str]:
     """
     try:
         size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return "truncated (no header)"
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                return f"truncated or corrupt header (claims {n} bytes, file has {size})"
-            header = json.loads(f.read(n))
+        header, n = safetensors_header(file)
     except OSError as e:
         return _first_line(e)
-    except (ValueError, UnicodeDecodeError):
-        return "corrupt header (not JSON)"
-    if not isinstance(header, dict):
-        return "corrupt header"
+    except SafetensorsHeaderError as e:
+        return str(e)
     ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
     need = 8 + n + max(ends, default=0)
     if need > size:

@@ -127,18 +127,14 @@ def unpack(entry_type: type, arrays: dict[str, mx.array] | None, meta: dict[str,
 
 def read_metadata(path: Path) -> dict[str, str] | None:
     """A safetensors file's ``__metadata__``, read without loading its tensors; None if unreadable."""
+    from engine.loading import safetensors_header
+
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if not 0 < size <= MAX_HEADER:
-                return None
-            header = f.read(size)
-        if len(header) != size:
-            return None
-        meta = json.loads(header).get("__metadata__")
-        return meta if isinstance(meta, dict) else None
-    except (OSError, ValueError, AttributeError):
+        header, _ = safetensors_header(path, max_bytes=MAX_HEADER)
+    except (OSError, ValueError):
         return None
+    meta = header.get("__metadata__")
+    return meta if isinstance(meta, dict) else None
 
 
 def _remove_if_stale(tmp: Path, age_s: float = 3600.0) -> None:

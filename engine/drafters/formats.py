@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -57,13 +56,13 @@ def drafter_kind(raw: dict, where: str = "drafter") -> str:
 
 def safetensors_keys(file: Path) -> list[str]:
     """Tensor names in a .safetensors file, from its header only."""
+    from engine.loading import safetensors_header
+
     try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+        header, _ = safetensors_header(file)
+    except (OSError, ValueError):
         raise TandemError(f"{file}: unreadable safetensors header") from None
-    return [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+    return [k for k in header if k != "__metadata__"]
 
 
 def _files_with(folder: Path, wanted) -> dict[Path, list[str]]:
