@@ -191,14 +191,21 @@ def _dominant_dtype(model) -> str:
     return max(sizes, key=sizes.get) if sizes else "unknown"
 
 
-def make_dense_float32(model) -> None:
-    """Dequantize quantized layers and cast floating parameters to float32, in place."""
+def make_dense(model, dtype: str = "float32") -> None:
+    """Dequantize quantized layers and cast floating parameters to ``dtype``, in place (lazy)."""
     import mlx.core as mx
     from mlx_lm.utils import dequantize_model
 
     if _is_quantized(model):
         dequantize_model(model)
-    model.set_dtype(mx.float32)
+    model.set_dtype(getattr(mx, dtype))
+
+
+def make_dense_float32(model) -> None:
+    """Dequantize quantized layers and cast floating parameters to float32, in place."""
+    import mlx.core as mx
+
+    make_dense(model)
     mx.eval(model.parameters())
 
 
@@ -227,9 +234,9 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
     try:
         # lazy: a float16 file is cast straight to float32, never held twice in memory
         model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
-        if dense:
-            make_dense_float32(model)
-        if dtype is not None:
+        if dense:  # straight to the asked dtype: a float32 copy first would double the peak memory
+            make_dense(model, dtype or "float32")
+        elif dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
     except ValueError as e:
