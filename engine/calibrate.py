@@ -192,7 +192,7 @@ def calibration_key(engine: EngineLike, mode: str, drafter: Drafter, context: in
 
 
 def cache_path() -> Path:
-    from engine.gguf import cache_root
+    from engine.paths import cache_root
 
     return cache_root() / "calibration.json"
 

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from engine.errors import TandemError
-from engine.paths import cache_root  # noqa: F401  (also imported from here by callers)
+from engine.paths import cache_root
 
 try:
     import fcntl

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from engine import caches
 from engine.drafters.base import DrafterState
-from engine.gguf import cache_root
+from engine.paths import cache_root
 
 if TYPE_CHECKING:
     from engine.target import Target

@@ -282,7 +282,7 @@ class ModelsView(QWidget):
         spec = e.spec
         if e.source == "Ollama":  # a blob without a .gguf name: linked under the model's name first
             from app.local_stores import link_for_loading
-            from engine.gguf import cache_root  # pure (numpy); no MLX
+            from engine.paths import cache_root  # no MLX
 
             try:
                 spec = str(link_for_loading(e.name, e.path, cache_root()))
