@@ -22,7 +22,7 @@ from engine import cost_model as M
 from engine.drafters.base import Draft, Drafter
 from engine.sampling import Sampler, SamplingParams
 from engine.shapes import ShapePolicy, StableKVCache, capacity_mask
-from engine.speculative import DecodeStats, FixedCap, decode
+from engine.speculative import DecodeStats, decode
 from tests.tiny import make_tiny_engine
 
 PROMPT = [5, 9, 14, 3, 22, 7, 30, 11]

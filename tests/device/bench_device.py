@@ -272,7 +272,6 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="storm: where to write its result")
     ap.add_argument("--tiny", action="store_true", help="toy shapes and few tokens: a CPU dry run of this script")
     args = ap.parse_args()
-    deadline = time.time() + args.budget
     if args.part == "storm":
         Path(args.json).write_text(json.dumps(storm(args.gguf, args.dtypes, args.max_new_tokens, args.prompt)))
         return 0
