@@ -176,8 +176,10 @@ def stamp(engine: "Engine") -> dict:
 def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, trials: int = 3,
                   max_new_tokens: int = 128, progress: Callable[[int, int, str], None] | None = None,
                   bandwidth: float | None = None, calibration_progress: Callable | None = None,
-                  warmup_progress: Callable | None = None) -> dict:
+                  warmup_progress: Callable | None = None, trace: bool = False) -> dict:
     """Run every arm on every prompt ``trials`` times; returns the report (JSON-ready).
+    ``trace``: each run's rounds in the report too (``runs``: what the cap policy chose and got),
+    for studying a controller offline.
 
     ``prompts``: (class, prompt) where prompt is text (chat-templated), chat messages, token
     ids or ``Turns`` (answered turn by turn by the target's greedy baseline, untimed)."""
@@ -300,7 +302,27 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
         "calibrations": {m: {"key": c.key, "default_cap": _static(c)} for m, c in calibrations.items()},
         "lossless": not any(not d["near_tie"] for d in divergences),
         "divergences": divergences,
+        **({"runs": {a.name: [[run_trace(r) for r in rs] for rs in results[a.name]] for a in arms}} if trace else {}),
     }
+
+
+def run_trace(result: "GenerationResult") -> dict:
+    """One run, compactly: decode seconds, and per round after the prefill's token its cap,
+    drafts, accepted drafts and end time in ms since decoding began (plain runs collapsed to
+    [0, steps, 0, end ms])."""
+    rows: list[list[float]] = []
+    t_first = result.token_times[0] if result.token_times else 0.0
+    done = 1
+    for (drafted, accepted), cap in list(zip(result.rounds, result.caps))[1:]:
+        done += accepted + 1 if cap else 1
+        end = round(1000.0 * (result.token_times[min(done, len(result.token_times)) - 1] - t_first), 2) \
+            if result.token_times else 0.0
+        if cap == 0 and rows and rows[-1][0] == 0:
+            rows[-1][1] += 1
+            rows[-1][3] = end
+        else:
+            rows.append([cap, drafted if cap else 1, accepted, end])
+    return {"decode_s": round(result.decode_s, 4), "tokens": result.generated, "rounds": rows}
 
 
 def lossless_label(arm: dict) -> str:

@@ -32,7 +32,9 @@ PRIOR_P = 0.65  # the controller's starting acceptance
 PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
 PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
 MAX_PROBE_GAP = 256
-CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park the controller early
+CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rounds / 2 rounds
+SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
+SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
 
 
 # ===================================================================== the calibration record
@@ -245,9 +247,11 @@ class LearnedState:
         self.tried_at = [x * factor for x in self.tried_at]
         self.cost = [x * factor for x in self.cost]
         self.plain = [x * factor for x in self.plain]
-        self.realized = [x * factor for x in self.realized]
+        self.realized = [0.0, 0.0, 0.0]  # new content: a spell is judged on its own rounds
         self.probes = [x * factor for x in self.probes]
-        self.probe_gap = PROBE_GAP  # new content: a parked controller looks again soon
+        # A parked request probes once at its start (new content may pay); after that, probes
+        # that kept failing on earlier requests stay rare rather than restarting at PROBE_GAP.
+        self.probe_gap = max(PROBE_GAP, self.probe_gap // 2)
 
 
 def _bucket(position: int) -> int:
@@ -293,14 +297,16 @@ class CapController:
       runs) are timed on their own: cap 0 is priced at the realized plain step.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
       ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds,
-      and forced when the rounds since the last unparking realized fewer tokens per second than
-      plain steps do (after ``min_rounds`` rounds; after half as many when they lost by more
-      than ``CLEAR_LOSS``): whatever the model believes, a speculating controller that loses to
-      plain steps parks within a few rounds. Parked, the loop runs pipelined plain steps; a
-      probe at a cheap cap follows every ``probe_gap`` of them (the gap doubles after a rejected
-      probe, up to ``MAX_PROBE_GAP``, and halves after an accepted one; each request starts with
-      a probe). It unparks when the model, or the realized rate of the probes themselves, beats
-      plain steps.
+      and forced, checked after every round, when the rounds since the last unparking (or
+      since the request began) realized fewer tokens per second than plain steps do: after
+      ``min_rounds`` rounds; after half as many when they lost by more than ``CLEAR_LOSS``;
+      after ``SURE_ROUNDS`` when they lost by more than ``SURE_LOSS``. Whatever the model
+      believes, a speculating controller that loses to plain steps parks within a few rounds.
+      Parked, the loop runs pipelined plain steps; a probe at a cheap cap follows every
+      ``probe_gap`` of them (the gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``,
+      and halves after an accepted one). Each parked request starts with a probe; a gap its
+      predecessors grew is only halved, so probes that keep failing stay rare. It unparks
+      when the model, or the realized rate of the probes themselves, beats plain steps.
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -388,11 +394,6 @@ class CapController:
         steps, ms = self.state.plain
         return (ms + self.plain_prior * prior) / (steps + self.plain_prior)
 
-    def realized_rate(self) -> float | None:
-        """Tokens per ms realized by the rounds since the last unparking (None: too few)."""
-        rounds, tokens, ms = self.state.realized
-        return tokens / ms if rounds >= self.min_rounds // 2 and ms > 0 else None
-
     def corrected(self) -> Calibration | _Corrected:
         if self.seeded:
             return self.cal
@@ -454,6 +455,9 @@ class CapController:
             keep = 1.0 - self.realized_decay
             r, t, total = st.realized
             st.realized = [r + 1.0, t * keep + accepted + 1.0, total * keep + ms]
+        if not st.parked and not self._probing and self._losing():
+            self._park_losing()
+            return
         if self._probing:
             self._probing = False
             self._since_probe = 0
@@ -510,6 +514,26 @@ class CapController:
         if exact:
             st.events[k] += 1.0
 
+    def _losing(self) -> bool:
+        """Did the rounds since the last unparking realize fewer tokens per second than plain
+        steps? A sure loss counts after ``SURE_ROUNDS`` rounds, a clear one after
+        ``min_rounds`` / 2, a close one after ``min_rounds`` (noise)."""
+        if self.seeded:
+            return False
+        rounds, tokens, ms = self.state.realized
+        if ms <= 0 or rounds < SURE_ROUNDS:
+            return False
+        margin = self.hysteresis if rounds >= self.min_rounds else \
+            CLEAR_LOSS if rounds >= self.min_rounds // 2 else SURE_LOSS
+        return tokens / ms * 1000.0 * margin < 1000.0 / self.plain_ms()
+
+    def _park_losing(self) -> None:
+        """Park after a losing spell; a short one (content that soon lost again) probes less often."""
+        st = self.state
+        short = st.realized[0] < 4 * PROBE_GAP
+        self._park()
+        st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if short else PROBE_GAP
+
     def _park(self) -> None:
         st = self.state
         st.parked, st.probes = True, [0.0, 0.0, 0.0]
@@ -523,17 +547,8 @@ class CapController:
                 1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis:
             self._unpark(max(1, _argmax(rates, allow_park=False)))  # even cheap probes beat plain steps
             return
-        realized = None if st.parked or self.seeded else self.realized_rate()
-        if realized is not None:
-            short = st.realized[0] < 4 * PROBE_GAP  # a spell that soon lost again: probe less often
-            # a clear loss parks after min_rounds / 2 rounds; a close one needs min_rounds (noise)
-            margin = self.hysteresis if st.realized[0] >= self.min_rounds else CLEAR_LOSS
-            if realized * 1000.0 * margin < rates[0]:
-                self._park()  # the rounds themselves lost to plain steps
-                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if short else PROBE_GAP
-                return
-            if not short:
-                st.probe_gap = PROBE_GAP
+        if not st.parked and not self.seeded and st.realized[0] >= 4 * PROBE_GAP:
+            st.probe_gap = PROBE_GAP  # a long winning spell: probe soon after a later parking
         best = _argmax(rates, st.rounds >= self.park_after)
         if rates[best] > rates[current] * self.hysteresis:
             if best == 0:

@@ -160,6 +160,59 @@ def test_a_drafter_that_pays_keeps_speculating(eng):
     assert clock.now * 1000.0 < 0.4 * len(ref)  # several tokens per ~2 ms round vs 1 ms a token
 
 
+def test_a_sure_loss_parks_after_two_rounds(eng):
+    """A GPU round that costs several plain steps and commits one token: every round loses."""
+    ref = reference(eng)
+    drafter = Oracle(ref, right_from=10 ** 6)
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.5, draft=3.0)
+    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock)
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert caps[3 : 3 + M.SURE_ROUNDS] == [caps[3]] * M.SURE_ROUNDS and caps[3] > 0
+    assert caps[3 + M.SURE_ROUNDS] == 0  # parked right after the second losing round
+
+
+def test_each_request_is_judged_on_its_own_rounds(eng):
+    """A request that wins (copy-heavy code) leaves the controller speculating; the next one,
+    on content where drafts fail, parks within a few rounds: the winning spell's record does
+    not carry over to shield it."""
+    ref = reference(eng)
+    pays = M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0, draft=lambda c: 0.5)
+    state = M.LearnedState()
+    good = Oracle(ref)
+    ctrl = M.CapController(pays, good.max_draft, state=state, warm_plain=3)
+    run_auto(eng, good, ctrl, CostClock(eng.target, good, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5))
+    assert not state.parked
+    state.shrink()
+    bad = Oracle(ref, right_from=10 ** 6)
+    ctrl = M.CapController(pays, bad.max_draft, state=state, warm_plain=3)
+    tokens, stats = run_auto(eng, bad, ctrl, CostClock(eng.target, bad, step=1.0, verify=lambda w: 1.5, draft=3.0))
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert sum(1 for c in caps[: caps.index(0, 3)] if c > 0) <= M.SURE_ROUNDS
+
+
+def test_probes_that_keep_failing_stay_rare_on_later_requests(eng):
+    """Each parked request probes once at its start (its content may pay), but a gap grown by
+    failed probes is halved, not reset: a drafter that loses on every request costs few
+    probes per request."""
+    ref = reference(eng, 240)
+    state = M.LearnedState()
+    probes = []
+    for _ in range(3):
+        if state.rounds:
+            state.shrink()
+        drafter = Oracle(ref, right_from=10 ** 6)
+        ctrl = M.CapController(optimistic_cal(), drafter.max_draft, state=state, warm_plain=3)
+        tokens, stats = run_auto(eng, drafter, ctrl, CostClock(eng.target, drafter, step=1.0,
+                                                               verify=lambda w: 1.5, draft=3.0), n=240)
+        assert tokens == ref and state.parked
+        probes.append(sum(1 for c in stats.caps[1:] if c > 0))
+    assert probes[-1] <= 3 and probes[-1] < probes[0]
+    assert state.probe_gap >= 4 * M.PROBE_GAP
+
+
 def test_a_parked_controller_unparks_when_acceptance_rises(eng):
     ref = reference(eng, 400)
     drafter = Oracle(ref, right_from=60)
@@ -378,7 +431,7 @@ def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes(
     cal = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # stale curves: every round loses
     state = M.LearnedState(parked=True, probe_gap=M.MAX_PROBE_GAP)  # parked by earlier requests
     state.shrink()
-    assert state.probe_gap == M.PROBE_GAP
+    assert state.probe_gap == M.MAX_PROBE_GAP // 2  # halved, not reset: failed probes stay rare
     ctrl = M.CapController(cal, 8, state=state, warm_plain=3)
     caps = []
     for _ in range(12):

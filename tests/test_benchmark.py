@@ -54,7 +54,7 @@ def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     arms = B.make_arms(["lookup"], [4, "auto"])
     ticks = []
     report = B.run_benchmark(eng, prompts, arms, trials=2, max_new_tokens=24,
-                             progress=lambda d, t, s: ticks.append((d, t)))
+                             progress=lambda d, t, s: ticks.append((d, t)), trace=True)
     assert report["lossless"] and report["divergences"] == []
     assert list(report["arms"]) == ["baseline", "lookup@4", "lookup@auto"]
     base = report["arms"]["baseline"]
@@ -72,6 +72,15 @@ def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     json.dumps(report)
     text = B.format_report(report)
     assert "lookup@auto" in text and "lossless: every arm" in text
+    runs = report["runs"]["lookup@4"]  # the trace: every round of every run, in order
+    assert len(runs) == 2 and len(runs[0]) == len(prompts)
+    for trial in runs:
+        for run in trial:
+            rows = run["rounds"]
+            assert sum(steps if cap == 0 else acc + 1 for cap, steps, acc, _ in rows) == run["tokens"] - 1
+            assert [end for *_, end in rows] == sorted(end for *_, end in rows)
+            assert rows[-1][3] <= 1000.0 * run["decode_s"] + 1e-6
+    assert any(cap == 4 and acc > 0 for trial in runs for run in trial for cap, _, acc, _ in run["rounds"])
 
 
 def test_run_benchmark_reports_a_planted_mismatch(eng, cache_dir, monkeypatch):

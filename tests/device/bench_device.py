@@ -138,6 +138,8 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
     prompts = load_prompts(["chat", "code", "math"], args.prompts_per_class)
     storm_prompt = prompts[0][1]
     for label, stable in (("storm_exact_shapes", "0"), ("storm_stable_shapes", "default")):
+        if label.split("_")[1] not in args.storms.split(","):
+            continue
         left = deadline - time.time()
         if left < 150:
             out[label] = f"skipped: {left:.0f} s left"
@@ -161,7 +163,7 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
     arms = B.make_arms(["lookup", "dspark"], B.parse_caps(args.caps))
     t0 = time.time()
     report = B.run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
-                             progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"))
+                             progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"), trace=True)
     report["seconds"] = round(time.time() - t0, 1)
     log(B.format_report(report))
     out["benchmark"] = report
@@ -264,6 +266,8 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts-per-class", type=int, default=2)
+    ap.add_argument("--storms", default="exact,stable",
+                    help="starter: which compile-storm checks run (exact: shapes as before stable shapes)")
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
