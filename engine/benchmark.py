@@ -40,12 +40,20 @@ class Arm:
 
     @property
     def name(self) -> str:
-        return self.mode if self.mode == "baseline" or self.cap is None else f"{self.mode}@{self.cap}"
+        if self.mode == "baseline":
+            return "baseline" if self.cap is None else NOISE_ARM
+        return self.mode if self.cap is None else f"{self.mode}@{self.cap}"
 
 
-def make_arms(modes: Sequence[str], caps: Sequence[int | str | None] = (None,)) -> list[Arm]:
-    """Baseline first (always: it is the reference), then every speculative mode at every cap."""
-    arms = [Arm("baseline")]
+NOISE_ARM = "baseline-2"  # plain decoding again, as its own arm: its ratio to baseline is the noise floor
+
+
+def make_arms(modes: Sequence[str], caps: Sequence[int | str | None] = (None,), *,
+              noise_floor: bool = False) -> list[Arm]:
+    """Baseline first (always: it is the reference), with ``noise_floor`` a second baseline arm
+    (an A/A comparison: how far two identical arms drift apart on this machine), then every
+    speculative mode at every cap."""
+    arms = [Arm("baseline")] + ([Arm("baseline", 2)] if noise_floor else [])
     for mode in modes:
         if mode == "baseline":
             continue
@@ -208,7 +216,8 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
 
     def gen(arm: Arm, ids: list[int], n: int) -> "GenerationResult":
         # Every run prefills its prompt (the prefix cache would restore it from the arm before).
-        return engine.generate(ids, mode=arm.mode, max_new_tokens=n, max_draft=arm.cap, prefix_cache=False)
+        return engine.generate(ids, mode=arm.mode, max_new_tokens=n, prefix_cache=False,
+                               max_draft=None if arm.mode == "baseline" else arm.cap)
 
     def tick(label: str) -> None:
         nonlocal done
@@ -441,6 +450,10 @@ def format_report(report: dict) -> str:
                      f"{per_class}  {lossless_label(a)}")
     roof = report["roofline"]
     lines.append("tok/s: median over trials; best: each prompt's fastest trial (contention only adds time)")
+    if NOISE_ARM in report["arms"]:
+        ratios = [c["ratio"] for c in report["arms"][NOISE_ARM]["classes"].values() if c["ratio"] is not None]
+        lines.append(f"{NOISE_ARM}: plain decoding again, as its own arm: its ratios ({min(ratios):.2f}-"
+                     f"{max(ratios):.2f}) are this machine's noise floor")
     if any("model_tok_s" in a for a in report["arms"].values()):
         lines.append("model: the same rounds priced by this machine's calibrated cost curves (no timing noise)")
     lines.append(f"roofline: {roof['bytes_per_token'] / 1e6:.1f} MB/token at {roof['context']} tokens, "

@@ -306,7 +306,9 @@ class CapController:
       ``probe_gap`` of them (the gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``,
       and halves after an accepted one). Each parked request starts with a probe; a gap its
       predecessors grew is only halved, so probes that keep failing stay rare. It unparks
-      when the model, or the realized rate of the probes themselves, beats plain steps.
+      when the realized rate of the probes themselves beats plain steps, or when the model
+      does after a probe whose drafts all held (a capped probe undervalues long drafts; a
+      rejected one outweighs curves that may promise too much).
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -347,6 +349,7 @@ class CapController:
         if self.state.parked:  # a parked request probes right after its warm plain steps
             self._since_probe = self.state.probe_gap
         self._probing = False
+        self._probe_full = False  # the last probe's drafts were all accepted
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
@@ -461,6 +464,7 @@ class CapController:
         if self._probing:
             self._probing = False
             self._since_probe = 0
+            self._probe_full = 0 < drafted == accepted
             if not self.seeded and seconds > 0:
                 keep = 1.0 - 0.3
                 n, t, total = st.probes
@@ -554,7 +558,10 @@ class CapController:
             if best == 0:
                 self._park()
             elif st.parked:
-                self._unpark(best)
+                # A probe is live evidence: the model (whose curves may promise too much) unparks
+                # only after one whose drafts all held, never after a rejected one.
+                if self.seeded or self._probe_full:
+                    self._unpark(best)
             else:
                 st.cap = best
 

@@ -427,6 +427,24 @@ def test_calibration_traces_a_real_drafter_and_hands_it_the_cut(cache_dir, tmp_p
     assert "confidence cut" in C.format_report(cal)
 
 
+def test_a_rejected_probe_never_unparks_on_the_curves_word():
+    """Curves that promise speculation pays (as a GPU calibration did, 1.4x predicted for
+    rounds that lost) must not unpark a controller whose probes keep being rejected."""
+    state = M.LearnedState(parked=True, rounds=20)
+    ctrl = M.CapController(optimistic_cal(), 8, state=state)
+    probes = 0
+    for _ in range(60):
+        cap = ctrl.cap()
+        if cap == 0:
+            for _ in range(ctrl.plain_run()):
+                ctrl.observe(0, 0, 0.001)  # plain steps: 1 ms
+        else:
+            probes += 1
+            ctrl.observe(cap, 0, 0.003)  # a probe: 3 ms, its first draft rejected
+        assert state.parked
+    assert probes >= 3
+
+
 def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes():
     cal = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # stale curves: every round loses
     state = M.LearnedState(parked=True, probe_gap=M.MAX_PROBE_GAP)  # parked by earlier requests

@@ -51,12 +51,14 @@ def test_planted_mismatch_is_caught_with_a_real_margin(eng):
 
 def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     prompts = [("code", COPY), ("chat", list(range(2, 30)))]
-    arms = B.make_arms(["lookup"], [4, "auto"])
+    arms = B.make_arms(["lookup"], [4, "auto"], noise_floor=True)
     ticks = []
     report = B.run_benchmark(eng, prompts, arms, trials=2, max_new_tokens=24,
                              progress=lambda d, t, s: ticks.append((d, t)), trace=True)
     assert report["lossless"] and report["divergences"] == []
-    assert list(report["arms"]) == ["baseline", "lookup@4", "lookup@auto"]
+    assert list(report["arms"]) == ["baseline", B.NOISE_ARM, "lookup@4", "lookup@auto"]
+    again = report["arms"][B.NOISE_ARM]  # plain decoding as its own arm: the A/A noise floor
+    assert again["mode"] == "baseline" and again["accept_per_round"] == 1.0 and again["lossless"] and again["ratio"] > 0
     base = report["arms"]["baseline"]
     assert base["ratio"] == pytest.approx(1.0) and base["accept_per_round"] == 1.0
     look = report["arms"]["lookup@4"]
@@ -65,13 +67,13 @@ def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     assert look["tokens"] == base["tokens"] and len(look["tok_s_trials"]) == 2
     assert set(look["classes"]) == {"code", "chat"}
     assert report["arms"]["lookup@auto"]["cap"] == "auto" and "lookup" in report["calibrations"]
-    assert ticks[-1][0] == ticks[-1][1] == 3 + 2 * 2 * 3
+    assert ticks[-1][0] == ticks[-1][1] == 4 + 2 * 2 * 4
     for stamp in ("device", "backend", "mlx", "model", "precision"):
         assert report[stamp]
     assert report["roofline"]["ceiling_tps"] > 0
     json.dumps(report)
     text = B.format_report(report)
-    assert "lookup@auto" in text and "lossless: every arm" in text
+    assert "lookup@auto" in text and "lossless: every arm" in text and "noise floor" in text
     runs = report["runs"]["lookup@4"]  # the trace: every round of every run, in order
     assert len(runs) == 2 and len(runs[0]) == len(prompts)
     for trial in runs:

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{', '.join(SPEC_BENCH)} (default all)")
     p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR, "
                                                        "else the prompts shipped with Tandem)")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also run plain decoding as a second arm (baseline-2): an A/A comparison showing how far "
+                        "identical arms drift apart on this machine")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
     p.add_argument("--multi-turn", action="store_true",
                    help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = load_prompts(classes or list(CLASSES), args.prompts_per_class, folder)
     caps = parse_caps(args.max_draft)
     eng = load_engine(args)
-    arms = make_arms(modes, caps)
+    arms = make_arms(modes, caps, noise_floor=args.noise_floor)
     cal_progress, cal_close = tqdm_progress("calibrating")
     warm_progress, warm_close = tqdm_progress("warming up")
     progress, close = tqdm_progress(f"benchmark {eng.name}")

@@ -160,7 +160,7 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
 
         for mode in ("lookup", "dspark"):
             calibrate(eng, mode, eng.drafter(mode), passes=1, overhead_rounds=3)
-    arms = B.make_arms(["lookup", "dspark"], B.parse_caps(args.caps))
+    arms = B.make_arms(["lookup", "dspark"], B.parse_caps(args.caps), noise_floor=args.noise_floor)
     t0 = time.time()
     report = B.run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
                              progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"), trace=True)
@@ -268,6 +268,7 @@ def main() -> int:
     ap.add_argument("--prompts-per-class", type=int, default=2)
     ap.add_argument("--storms", default="exact,stable",
                     help="starter: which compile-storm checks run (exact: shapes as before stable shapes)")
+    ap.add_argument("--noise-floor", action="store_true", help="starter: a second baseline arm (A/A)")
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
