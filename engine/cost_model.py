@@ -303,8 +303,8 @@ class CapController:
       after ``SURE_ROUNDS`` when they lost by more than ``SURE_LOSS``. Whatever the model
       believes, a speculating controller that loses to plain steps parks within a few rounds.
       Parked, the loop runs pipelined plain steps; a probe at a cheap cap follows every
-      ``probe_gap`` of them (the gap doubles after a rejected probe, up to ``MAX_PROBE_GAP``,
-      and halves after an accepted one). Each parked request starts with a probe; a gap its
+      ``probe_gap`` of them (the gap doubles after a rejected probe, or an empty one that cost
+      a drafter's call, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each parked request starts with a probe; a gap its
       predecessors grew is only halved, so probes that keep failing stay rare. It unparks
       when the realized rate of the probes themselves beats plain steps, or when the model
       does after a probe whose drafts all held (a capped probe undervalues long drafts; a
@@ -349,7 +349,7 @@ class CapController:
         if self.state.parked:  # a parked request probes right after its warm plain steps
             self._since_probe = self.state.probe_gap
         self._probing = False
-        self._probe_full = False  # the last probe's drafts were all accepted
+        self._probe_full = False  # the last probe drafted up to its cap and all of it was accepted
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
@@ -464,15 +464,19 @@ class CapController:
         if self._probing:
             self._probing = False
             self._since_probe = 0
-            self._probe_full = 0 < drafted == accepted
+            self._probe_full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
             if not self.seeded and seconds > 0:
                 keep = 1.0 - 0.3
                 n, t, total = st.probes
                 st.probes = [n * keep + 1.0, t * keep + accepted + 1.0, total * keep + ms]
             self._repick()
-            if st.parked and drafted:  # a rejected probe: look again later; an accepted one: sooner
-                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP) if accepted < drafted else \
-                    max(PROBE_GAP, st.probe_gap // 2)
+            # A rejected probe, or one with no draft that still cost a drafter's call: look again
+            # later; an accepted one: sooner. (An empty n-gram lookup costs about a plain step.)
+            empty_but_costly = not drafted and ms > CLEAR_LOSS * self.plain_ms()
+            if st.parked and (accepted < drafted or empty_but_costly):
+                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
+            elif st.parked and drafted:
+                st.probe_gap = max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1
         if self._since_repick >= self.repick_every:

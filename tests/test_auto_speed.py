@@ -427,22 +427,48 @@ def test_calibration_traces_a_real_drafter_and_hands_it_the_cut(cache_dir, tmp_p
     assert "confidence cut" in C.format_report(cal)
 
 
-def test_a_rejected_probe_never_unparks_on_the_curves_word():
-    """Curves that promise speculation pays (as a GPU calibration did, 1.4x predicted for
-    rounds that lost) must not unpark a controller whose probes keep being rejected."""
-    state = M.LearnedState(parked=True, rounds=20)
-    ctrl = M.CapController(optimistic_cal(), 8, state=state)
-    probes = 0
-    for _ in range(60):
+def drive_parked(ctrl: M.CapController, probe, steps: int = 400) -> list[int]:
+    """Feed a parked controller 1 ms plain steps and ``probe(cap) -> (drafted, accepted, s)``
+    rounds until ``steps`` tokens; returns the plain steps before each probe."""
+    gaps, run = [], 0
+    while steps > 0:
         cap = ctrl.cap()
         if cap == 0:
-            for _ in range(ctrl.plain_run()):
-                ctrl.observe(0, 0, 0.001)  # plain steps: 1 ms
+            n = ctrl.plain_run()
+            for _ in range(n):
+                ctrl.observe(0, 0, 0.001)
+            run, steps = run + n, steps - n
         else:
-            probes += 1
-            ctrl.observe(cap, 0, 0.003)  # a probe: 3 ms, its first draft rejected
-        assert state.parked
-    assert probes >= 3
+            gaps.append(run)
+            run = 0
+            drafted, accepted, seconds = probe(cap)
+            ctrl.observe(drafted, accepted, seconds)
+            steps -= accepted + 1
+    return gaps
+
+
+@pytest.mark.parametrize("probe", [lambda cap: (cap, 0, 0.003),  # first draft rejected
+                                   lambda cap: (1, 1, 0.003)],  # one confident draft, accepted: the drafter stopped
+                         ids=["rejected", "short"])
+def test_a_losing_probe_never_unparks_on_the_curves_word(probe):
+    """Curves that promise speculation pays (as a GPU calibration did, 1.4x predicted for
+    rounds that lost) must not unpark a controller whose probes lose: rejected ones, or ones
+    the drafter itself cut short (a 1-token draft, accepted, at 3 plain steps' cost)."""
+    state = M.LearnedState(parked=True, rounds=20)
+    ctrl = M.CapController(optimistic_cal(), 8, state=state)
+    gaps = drive_parked(ctrl, lambda cap: (state.parked or pytest.fail("unparked"), probe(cap))[1])
+    assert len(gaps) >= 3 and state.parked
+
+
+def test_empty_probes_back_off_when_they_cost_a_drafter_call():
+    """A probe whose drafter proposed nothing still paid for its call (DSpark's confidence cut
+    on a GPU: ~2 plain steps); an empty n-gram lookup costs about a plain step."""
+    costly = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
+    gaps = drive_parked(costly, lambda cap: (0, 0, 0.003))
+    assert gaps[:4] == [0, 2 * M.PROBE_GAP, 4 * M.PROBE_GAP, 8 * M.PROBE_GAP]  # a parked start probes at once
+    cheap = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
+    gaps = drive_parked(cheap, lambda cap: (0, 0, 0.0011))
+    assert set(gaps[1:]) == {M.PROBE_GAP}  # nearly free: probing stays frequent
 
 
 def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes():
