@@ -32,6 +32,7 @@ PRIOR_P = 0.65  # the controller's starting acceptance
 PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
 PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
 MAX_PROBE_GAP = 256
+NEW_REQUEST_GAP = 64  # the longest gap a new request starts with: a second look within a short answer
 CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rounds / 2 rounds
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
@@ -249,9 +250,9 @@ class LearnedState:
         self.plain = [x * factor for x in self.plain]
         self.realized = [0.0, 0.0, 0.0]  # new content: a spell is judged on its own rounds
         self.probes = [x * factor for x in self.probes]
-        # A parked request probes once at its start (new content may pay); after that, probes
-        # that kept failing on earlier requests stay rare rather than restarting at PROBE_GAP.
-        self.probe_gap = max(PROBE_GAP, self.probe_gap // 2)
+        # A parked request probes at its start (new content may pay) and again within a short
+        # answer; probes that kept failing on earlier requests stay rarer than PROBE_GAP.
+        self.probe_gap = min(max(PROBE_GAP, self.probe_gap // 2), NEW_REQUEST_GAP)
 
 
 def _bucket(position: int) -> int:
@@ -304,11 +305,13 @@ class CapController:
       believes, a speculating controller that loses to plain steps parks within a few rounds.
       Parked, the loop runs pipelined plain steps; a probe at a cheap cap follows every
       ``probe_gap`` of them (the gap doubles after a rejected probe, or an empty one that cost
-      a drafter's call, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each parked request starts with a probe; a gap its
-      predecessors grew is only halved, so probes that keep failing stay rare. It unparks
-      when the realized rate of the probes themselves beats plain steps, or when the model
-      does after a probe whose drafts all held (a capped probe undervalues long drafts; a
-      rejected one outweighs curves that may promise too much).
+      a drafter's call, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each
+      parked request starts with a probe, then keeps its predecessors' gap halved, at most
+      ``NEW_REQUEST_GAP``: probes that keep failing stay rare, yet a short answer gets a second
+      look. It unparks when a probe whose drafts all held beats a plain step's rate, when the
+      probes lately do, or when the model does after a probe stopped only by its cap with every
+      draft accepted (a capped probe undervalues long drafts; a rejected or self-cut one
+      outweighs curves that may promise too much).
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
@@ -350,6 +353,7 @@ class CapController:
             self._since_probe = self.state.probe_gap
         self._probing = False
         self._probe_full = False  # the last probe drafted up to its cap and all of it was accepted
+        self._probe_won = False  # the last probe's drafts all held and it beat a plain step's rate
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
@@ -465,6 +469,8 @@ class CapController:
             self._probing = False
             self._since_probe = 0
             self._probe_full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
+            self._probe_won = 0 < drafted == accepted and seconds > 0 and not self.seeded and \
+                (accepted + 1) / (seconds * 1000.0) > self.hysteresis / self.plain_ms()  # its own clock
             if not self.seeded and seconds > 0:
                 keep = 1.0 - 0.3
                 n, t, total = st.probes
@@ -551,9 +557,10 @@ class CapController:
         st = self.state
         rates = self.rates()
         current = 0 if st.parked else int(st.cap)
-        if st.parked and not self.seeded and st.probes[0] > 0 and \
-                1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis:
-            self._unpark(max(1, _argmax(rates, allow_park=False)))  # even cheap probes beat plain steps
+        if st.parked and not self.seeded and (self._probe_won or st.probes[0] > 0 and
+                                              1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis):
+            # the probes lately, or this one whose drafts all held, beat plain steps
+            self._unpark(max(1, _argmax(rates, allow_park=False)))
             return
         if not st.parked and not self.seeded and st.realized[0] >= 4 * PROBE_GAP:
             st.probe_gap = PROBE_GAP  # a long winning spell: probe soon after a later parking

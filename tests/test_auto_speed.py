@@ -460,6 +460,25 @@ def test_a_losing_probe_never_unparks_on_the_curves_word(probe):
     assert len(gaps) >= 3 and state.parked
 
 
+def test_one_probe_that_holds_and_beats_plain_steps_unparks_at_once():
+    """Content changes (prose, then code to copy): a probe whose drafts all held at a better
+    rate than plain steps unparks at once, whatever the failed probes before it said."""
+    stale = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # curves that say rounds lose
+    # failed probes (1 token per 10 ms) and plain steps (1 ms) on record
+    state = M.LearnedState(parked=True, rounds=20, probes=[3.3, 3.3, 33.0], plain=[50.0, 50.0])
+    ctrl = M.CapController(stale, 8, state=state)
+    assert ctrl.cap() > 0  # a parked request starts with a probe
+    ctrl.observe(3, 0, 0.003)  # rejected
+    assert state.parked
+    drive_parked(ctrl, lambda cap: (cap, 0, 0.003), steps=100)  # more rejected probes
+    assert state.parked
+    while ctrl.cap() == 0:
+        for _ in range(ctrl.plain_run()):
+            ctrl.observe(0, 0, 0.001)
+    ctrl.observe(3, 3, 0.003)  # 3 drafts (the drafter stopped by itself), all accepted: 4 tokens in 3 ms
+    assert not state.parked
+
+
 def test_empty_probes_back_off_when_they_cost_a_drafter_call():
     """A probe whose drafter proposed nothing still paid for its call (DSpark's confidence cut
     on a GPU: ~2 plain steps); an empty n-gram lookup costs about a plain step."""
@@ -475,7 +494,7 @@ def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes(
     cal = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # stale curves: every round loses
     state = M.LearnedState(parked=True, probe_gap=M.MAX_PROBE_GAP)  # parked by earlier requests
     state.shrink()
-    assert state.probe_gap == M.MAX_PROBE_GAP // 2  # halved, not reset: failed probes stay rare
+    assert state.probe_gap == M.NEW_REQUEST_GAP > M.PROBE_GAP  # not reset: failed probes stay rare
     ctrl = M.CapController(cal, 8, state=state, warm_plain=3)
     caps = []
     for _ in range(12):
