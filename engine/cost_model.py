@@ -33,6 +33,7 @@ PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must s
 PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
 MAX_PROBE_GAP = 256
 NEW_REQUEST_GAP = 64  # the longest gap a new request starts with: a second look within a short answer
+CHEAP_GAP = 8  # plain steps between two probes that a cheap draft (a long n-gram match) triggered
 CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rounds / 2 rounds
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
@@ -354,6 +355,9 @@ class CapController:
         self._probing = False
         self._probe_full = False  # the last probe drafted up to its cap and all of it was accepted
         self._probe_won = False  # the last probe's drafts all held and it beat a plain step's rate
+        self._cheap = False  # the loop saw a cheap draft ready: probe now
+        self._cheap_probe = False  # the probe in flight was one
+        self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
@@ -421,8 +425,8 @@ class CapController:
         st = self.state
         if self._warm > 0:
             cap = 0
-        elif st.parked and self._since_probe >= st.probe_gap:
-            self._probing = True
+        elif st.parked and (self._cheap or self._since_probe >= st.probe_gap):
+            self._probing, self._cheap_probe, self._cheap = True, self._cheap, False
             cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
         else:
             cap = 0 if st.parked else int(st.cap)
@@ -431,6 +435,14 @@ class CapController:
         self._last_cap = cap
         self.history.append(cap)
         return cap
+
+    def watch_cheap_drafts(self) -> bool:
+        """Parked, a long n-gram match may end a plain run early for a probe: copying is found
+        the step it starts, at about a plain step's cost, without waiting for the next probe."""
+        return self.state.parked and self._warm == 0 and self._since_cheap >= CHEAP_GAP
+
+    def cheap_draft(self) -> None:
+        self._cheap = True
 
     def plain_run(self) -> int:
         """Plain steps to take in a row now that ``cap()`` said 0: to the next probe, parked."""
@@ -447,6 +459,7 @@ class CapController:
             self._warm = max(0, self._warm - 1)
             if st.parked:
                 self._since_probe += 1
+                self._since_cheap += 1
             if not self.seeded and seconds > 0 and self._run_pos > 0:  # the first one fills the pipeline
                 keep = 1.0 - self.plain_decay
                 st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + seconds * 1000.0]
@@ -467,7 +480,11 @@ class CapController:
             return
         if self._probing:
             self._probing = False
-            self._since_probe = 0
+            cheap, self._cheap_probe = self._cheap_probe, False
+            if cheap:
+                self._since_cheap = 0  # the regular probes keep their own schedule
+            else:
+                self._since_probe = 0
             self._probe_full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
             self._probe_won = 0 < drafted == accepted and seconds > 0 and not self.seeded and \
                 (accepted + 1) / (seconds * 1000.0) > self.hysteresis / self.plain_ms()  # its own clock
@@ -478,10 +495,11 @@ class CapController:
             self._repick()
             # A rejected probe, or one with no draft that still cost a drafter's call: look again
             # later; an accepted one: sooner. (An empty n-gram lookup costs about a plain step.)
+            # A probe a cheap draft triggered leaves the regular schedule alone.
             empty_but_costly = not drafted and ms > CLEAR_LOSS * self.plain_ms()
-            if st.parked and (accepted < drafted or empty_but_costly):
+            if st.parked and not cheap and (accepted < drafted or empty_but_costly):
                 st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
-            elif st.parked and drafted:
+            elif st.parked and not cheap and drafted:
                 st.probe_gap = max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1

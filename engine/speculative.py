@@ -61,7 +61,9 @@ class CapPolicy(Protocol):
     """Chooses how many drafts to verify each round. It can never change the output.
 
     When ``cap()`` is 0 the loop takes ``plain_run()`` pipelined plain steps (a policy without
-    the method gets one) and reports each to ``observe`` with ``drafted == 0``."""
+    the method gets one) and reports each to ``observe`` with ``drafted == 0``. While the
+    policy's optional ``watch_cheap_drafts()`` says so, the run ends early when the drafter has
+    a cheap draft ready (``Drafter.cheap_draft_ready``), telling the policy ``cheap_draft()``."""
 
     def cap(self) -> int: ...
 
@@ -219,7 +221,8 @@ def decode(
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
         if cap == 0:
             run = max(1, min(_plain_run_length(cap_policy), remaining))
-            for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit, stats):
+            stop = _cheap_draft_stop(cap_policy, drafter, ids)
+            for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit, stats, stop):
                 drafter.commit(ids, 1, hidden)
                 now = clock()
                 cap_policy.observe(0, 0, now - t_last)
@@ -269,11 +272,29 @@ def _plain_run_length(policy: CapPolicy) -> int:
     return int(run()) if run is not None else 1
 
 
+def _cheap_draft_stop(policy: CapPolicy, drafter: Drafter, ids: list[int]) -> Callable[[], bool] | None:
+    """For a plain run: a check that ends it early when a cheap draft is ready (and tells the
+    policy), or None when the policy is not watching."""
+    watching = getattr(policy, "watch_cheap_drafts", None)
+    if watching is None or not watching():
+        return None
+
+    def stop() -> bool:
+        if drafter.cheap_draft_ready(ids):
+            policy.cheap_draft()
+            return True
+        return False
+
+    return stop
+
+
 def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n: int, tap: bool, emit,
-               stats: DecodeStats) -> Iterator:
+               stats: DecodeStats, stop: Callable[[], bool] | None = None) -> Iterator:
     """``n`` plain target steps from the anchor ``ids[-1]``, each forward queued before the
     previous token is read back. Appends each token to ``ids`` and yields (tokens, event, done,
     tapped row of the token fed before it). The last token is not fed: it is the next anchor.
+    ``stop()``, asked before each next forward is queued (on ``ids`` without the token in
+    flight), ends the run after that token instead.
     ``stats.cache_len`` follows what the caches hold: a queued forward has fed the yielded token."""
 
     def queue(token: mx.array) -> tuple[mx.array, mx.array | None]:
@@ -284,7 +305,7 @@ def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n:
 
     y, hidden = queue(mx.array(ids[-1]))
     for i in range(n):
-        following = queue(y) if i + 1 < n else None
+        following = queue(y) if i + 1 < n and not (stop is not None and stop()) else None
         ids.append(y.item())
         stats.cache_len = len(ids) if following is not None else len(ids) - 1  # a queued forward fed y
         out, event, done = emit([ids[-1]], 0, 0, 0)

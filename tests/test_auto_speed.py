@@ -227,6 +227,43 @@ def test_a_parked_controller_unparks_when_acceptance_rises(eng):
     assert max(caps[-20:]) > M.PROBE_CAP
 
 
+def test_a_cheap_draft_ends_a_parked_plain_run_for_a_probe(eng):
+    """Copying starts mid-answer (a long n-gram match): the parked controller tries it the step
+    the match appears, not at its next scheduled probe, and unparks on it."""
+    ref = reference(eng, 240)
+
+    class CopyLater(Oracle):
+        def cheap_draft_ready(self, ids):
+            return len(ids) - len(PROMPT) >= 120
+
+    drafter = CopyLater(ref, right_from=120)  # wrong drafts before token 120, right (and cheap) after
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.1, draft=3.0)
+    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock, n=240)
+    assert tokens == ref
+    pos, starts = 0, []
+    for (drafted, accepted), cap in zip(stats.rounds, stats.caps):
+        starts.append((pos, cap))
+        pos += accepted + 1 if cap else 1
+    parked_from = next(p for p, c in starts[5:] if c == 0)
+    assert parked_from < 40  # wrong drafts: parked early
+    first_after = next(p for p, c in starts if c > 0 and p >= 120)
+    assert first_after <= 122  # the match was tried at once (the next scheduled probe was far)
+    assert not ctrl.state.parked and sum(1 for p, c in starts if p > 200 and c == 0) <= 1
+
+
+def test_lookup_calls_only_a_long_verbatim_match_cheap():
+    from engine.drafters.lookup import STRONG_MATCH, LookupDrafter
+    from engine.drafters.lookup_first import LookupFirst
+
+    text = [7, 8, 9, 10, 11, 12, 13, 14, 1, 2]
+    for drafter in (LookupDrafter(), LookupFirst(Oracle([], max_draft=4))):
+        drafter.begin(text, None)
+        assert not drafter.cheap_draft_ready(text)
+        assert not drafter.cheap_draft_ready(text + text[: STRONG_MATCH - 1])  # a short match fires often on chat
+        assert drafter.cheap_draft_ready(text + text[:STRONG_MATCH])
+
+
 def test_plain_runs_hand_back_the_exact_round_state(eng):
     """Rounds and plain runs interleave at every length and the output is still baseline's."""
     ref = reference(eng)

@@ -85,6 +85,12 @@ class Drafter:
         new. ``hidden`` holds the tapped rows for the tokens the target just cached (the previous
         anchor and the accepted drafts: ``n_new`` rows) or None."""
 
+    def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
+        """Whether a draft that costs next to nothing to make (a long n-gram match) and is
+        likely to hold follows ``ids`` now: a parked ``--max-draft auto`` ends its plain run
+        early to try it. Drafters whose every draft costs a model call say False."""
+        return False
+
     @property
     def needs_state(self) -> bool:
         """Whether ``resume`` after a restored prefix needs a stored ``state()`` covering it: drafters

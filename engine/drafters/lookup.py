@@ -18,6 +18,7 @@ from engine.sampling import Sampler
 MIN_NGRAM = 3  # shorter keys fire often on chat and mostly miss (a net loss)
 MAX_CANDIDATES = 8  # recent occurrences examined per round
 MAX_MATCH = 64
+STRONG_MATCH = MIN_NGRAM + 2  # a verbatim match this long is worth ending a parked plain run for
 
 
 class LookupDrafter(Drafter):
@@ -80,3 +81,6 @@ class LookupDrafter(Drafter):
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self._extend(ids)
+
+    def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
+        return self.match(ids)[1] >= STRONG_MATCH

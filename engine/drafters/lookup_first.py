@@ -59,6 +59,9 @@ class LookupFirst(Drafter):
         self.lookup.commit(ids, n_new, hidden)
         self.model_drafter.commit(ids, n_new, hidden)
 
+    def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
+        return self.lookup.cheap_draft_ready(ids)
+
     def state(self) -> DrafterState | None:
         return self.model_drafter.state()  # lookup's index is rebuilt from the tokens
 

@@ -90,13 +90,15 @@ def main() -> int:
     ap.add_argument("--piece", type=float, default=0.4)
     ap.add_argument("--lookup-ms", type=float, default=0.1)
     ap.add_argument("--fixed", type=int, default=0, help="also a fixed-cap arm at this cap")
+    ap.add_argument("--classes", default="chat,code,math")
+    ap.add_argument("--show", action="store_true", help="print each auto run of the last pass, round by round")
     args = ap.parse_args()
 
     import engine.api as tandem
     from engine.prompts import load_prompts
 
     eng = tandem.load()
-    prompts = load_prompts(per_class=args.per_class)
+    prompts = load_prompts(args.classes.split(","), per_class=args.per_class)
     # The calibration a GPU measured for this pair promised ~1.4x at full drafts (its curves
     # priced rounds far below what they cost): an optimistic model the live fit must correct.
     cal = M.Calibration.synthetic(lambda w: args.step * (1.0 + 0.01 * w), 16, plain_ms=args.step,
@@ -130,6 +132,9 @@ def main() -> int:
                     plain_ms = (n - 1) * args.step
                     ms = (clock.now - start) * 1000.0
                     rounds = [c for c in stats.caps[1:]]
+                    if args.show and arm == "auto" and p == args.passes - 1:
+                        print(f"{mode} {cls}: " + " ".join(f"c{c}:{d}/{a}" if c else "." for c, (d, a)
+                                                         in zip(stats.caps[1:], stats.rounds[1:])))
                     arms[arm].append((p, cls, plain_ms / ms, sum(1 for c in rounds if c > 0), n))
         for arm, rows in arms.items():
             last = [r for r in rows if r[0] == args.passes - 1]
