@@ -305,8 +305,8 @@ class CapController:
       after ``SURE_ROUNDS`` when they lost by more than ``SURE_LOSS``. Whatever the model
       believes, a speculating controller that loses to plain steps parks within a few rounds.
       Parked, the loop runs pipelined plain steps; a probe at a cheap cap follows every
-      ``probe_gap`` of them (the gap doubles after a rejected probe, or an empty one that cost
-      a drafter's call, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each
+      ``probe_gap`` of them (the gap doubles after a probe that lost more than half a plain
+      step, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each
       parked request starts with a probe, then keeps its predecessors' gap halved, at most
       ``NEW_REQUEST_GAP``: probes that keep failing stay rare, yet a short answer gets a second
       look. It unparks when a probe whose drafts all held beats a plain step's rate, when the
@@ -493,13 +493,15 @@ class CapController:
                 n, t, total = st.probes
                 st.probes = [n * keep + 1.0, t * keep + accepted + 1.0, total * keep + ms]
             self._repick()
-            # A rejected probe, or one with no draft that still cost a drafter's call: look again
-            # later; an accepted one: sooner. (An empty n-gram lookup costs about a plain step.)
-            # A probe a cheap draft triggered leaves the regular schedule alone.
-            empty_but_costly = not drafted and ms > CLEAR_LOSS * self.plain_ms()
-            if st.parked and not cheap and (accepted < drafted or empty_but_costly):
+            # A probe that lost more than half a plain step (a rejected or empty DSpark call:
+            # 2-2.7 steps on the H200 for a token) says look again later; one that lost less (an
+            # n-gram lookup, rejected or empty: 1.0-1.3 steps) costs too little to wait for; an
+            # accepted one says look sooner. Seeded (no clock): a rejected probe backs off. A
+            # probe a cheap draft triggered leaves the regular schedule alone.
+            lost = ms - (accepted + 1) * self.plain_ms() > 0.5 * self.plain_ms() if ms > 0 else accepted < drafted
+            if st.parked and not cheap and lost:
                 st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
-            elif st.parked and not cheap and drafted:
+            elif st.parked and not cheap and drafted and accepted == drafted:
                 st.probe_gap = max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1

@@ -516,14 +516,16 @@ def test_one_probe_that_holds_and_beats_plain_steps_unparks_at_once():
     assert not state.parked
 
 
-def test_empty_probes_back_off_when_they_cost_a_drafter_call():
-    """A probe whose drafter proposed nothing still paid for its call (DSpark's confidence cut
-    on a GPU: ~2 plain steps); an empty n-gram lookup costs about a plain step."""
+@pytest.mark.parametrize("drafted", [0, 4], ids=["empty", "rejected"])
+def test_probes_back_off_only_when_they_cost_more_than_a_plain_step(drafted):
+    """A probe that cost a drafter's call and committed one token (DSpark on a GPU: 2-2.7 plain
+    steps, drafting nothing or drafting wrong) backs off; an n-gram lookup that found nothing or
+    guessed wrong (about a plain step and a sync) costs too little to wait for."""
     costly = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
-    gaps = drive_parked(costly, lambda cap: (0, 0, 0.003))
+    gaps = drive_parked(costly, lambda cap: (min(drafted, cap), 0, 0.003))
     assert gaps[:4] == [0, 2 * M.PROBE_GAP, 4 * M.PROBE_GAP, 8 * M.PROBE_GAP]  # a parked start probes at once
     cheap = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
-    gaps = drive_parked(cheap, lambda cap: (0, 0, 0.0011))
+    gaps = drive_parked(cheap, lambda cap: (min(drafted, cap), 0, 0.0011))
     assert set(gaps[1:]) == {M.PROBE_GAP}  # nearly free: probing stays frequent
 
 
