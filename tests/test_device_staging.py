@@ -51,3 +51,42 @@ def test_a_damaged_part_and_a_full_tree_are_refused(tmp_path, monkeypatch):
         stage_parts.keep(folders[1], tmp_path / "store")
     with pytest.raises(SystemExit, match="the tree is too large to stage"):
         stage_parts.split([f], -3 << 20, ".b", {})
+
+
+def _payload(tmp_path, sizes: dict[str, int]) -> list[Path]:
+    files = []
+    for name, size in sizes.items():
+        f = tmp_path / name
+        f.write_bytes(os.urandom(size))
+        files.append(f)
+    return files
+
+
+def test_the_pair_runs_on_the_call_completing_both_ggufs_in_either_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    room = (4 << 20) + 16384
+    draft, target = "qwen2.5-coder-0.5b.gguf", "qwen2.5-coder-1.5b.gguf"
+    # wheels first (their call benchmarks random8b), then the pair: stage_bench.sh sends the draft
+    # first, but the milestone must not depend on that order
+    for n, (first, second) in enumerate(((draft, target), (target, draft))):
+        files = _payload(tmp_path, {"mlx.whl": 5 << 20, "gguf.whl": 1 << 20, first: 3 << 20, second: 9 << 20})
+        folders = stage_parts.split(files, room, f".b{n}-", {"gguf.whl": "random8b", f"{draft}+{target}": "pair"})
+        assert len(folders) == 5  # 18 MiB in 4 MiB calls
+        assert all(sum(p.stat().st_size for p in f.iterdir()) <= room for f in folders)
+        actions = [json.loads((f / "manifest.json").read_text())["action"] for f in folders]
+        assert actions == ["keep", "random8b", "keep", "keep", "pair"]
+        complete: list[str] = []
+        for f in folders:
+            complete = stage_parts.keep(f, tmp_path / f"keep{n}")
+            if f != folders[-1]:
+                assert second not in complete
+        assert {draft, target} <= set(complete)
+
+
+def test_two_milestones_completing_on_one_call_run_in_file_order_and_a_typo_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files = _payload(tmp_path, {"a.whl": 1 << 10, "b.gguf": 2 << 10, "c.gguf": 3 << 10})
+    folders = stage_parts.split(files, (4 << 20) + 16384, ".b", {"b.gguf+c.gguf": "pair", "a.whl": "random8b"})
+    assert [json.loads((f / "manifest.json").read_text())["action"] for f in folders] == ["random8b+pair"]
+    with pytest.raises(SystemExit, match="names a file not staged: d.gguf"):
+        stage_parts.split(files, (4 << 20) + 16384, ".b", {"b.gguf+d.gguf": "pair"})

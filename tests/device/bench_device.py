@@ -1,4 +1,5 @@
-"""Speed on a GPU machine (MLX CUDA): the starter with its drafter, and random 8B-shaped targets.
+"""Speed on a GPU machine (MLX CUDA): the starter with its drafter, a real draft/target pair, and
+random 8B-shaped targets.
 
 Not a pytest module: the lead runs it on the H200 device machine (no network, no ../shared),
 staged by ``tests/device/stage_bench.sh``. It writes device-stamped JSON to ``--out`` (``$OUT``)
@@ -13,6 +14,12 @@ Parts:
   (``TANDEM_STABLE_SHAPES=0``, the shapes of the code before it) and on. Then ``tandem benchmark``
   (warm-up, calibrations, every arm interleaved) on chat/code/math: baseline, lookup and dspark at
   ``auto`` and at the drafter's full block.
+* ``pair``: the built-in Qwen2.5-Coder-1.5B GGUF (``--target``) in each ``--dtypes`` (default
+  bfloat16; quantized weights stay quantized) with the 0.5B GGUF (``--draft``) as its draft model
+  (mode ``draft``; the 0.5B loads by the platform's policy, its dtype is recorded). First a check
+  on one prompt (baseline vs ``draft@4``: same tokens, acceptance), then ``tandem benchmark`` on
+  chat/code/math with traces: baseline, ``baseline-2`` (the A/A noise floor), lookup@auto and
+  draft at each ``--draft-caps`` (auto and a fixed 4).
 * ``random8b``: Qwen3-8B-shaped targets with random weights (costs depend on shapes, not values),
   bf16 and 4-bit (group 64), generated on the device. Random weights never repeat themselves, so
   n-gram lookup finds nothing: ``lookup@auto`` must park. To force acceptance, an *oracle
@@ -170,6 +177,68 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ pair
+def pair_arms(draft_caps: str) -> list[B.Arm]:
+    """baseline, baseline-2 (the noise floor), lookup@auto, then the draft model at each cap."""
+    arms = B.make_arms(["lookup"], ["auto"], noise_floor=True)
+    return arms + [a for a in B.make_arms(["draft"], B.parse_caps(draft_caps)) if a.mode == "draft"]
+
+
+def pair_check(eng, prompt, new_tokens: int) -> dict:
+    """One prompt, baseline then draft@4: the draft model must change no token (greedy)."""
+    runs = {}
+    for mode, cap in (("baseline", None), ("draft", 4)):
+        r = eng.generate(prompt, mode=mode, max_new_tokens=new_tokens, max_draft=cap)
+        runs[mode] = r
+    base, draft = runs["baseline"], runs["draft"]
+    return {"same_tokens": base.token_ids == draft.token_ids, "tokens": base.generated,
+            "baseline_tok_s": round(base.decode_tps, 2), "draft4_tok_s": round(draft.decode_tps, 2),
+            "draft4_accept_per_round": round(draft.mean_accepted, 3), "draft4_rounds": len(draft.rounds)}
+
+
+def pair_part(args, dtype: str, deadline: float, save) -> dict:
+    """The pair in ``dtype``; ``save(out)`` after each step, so a call stopped at its limit keeps
+    what was measured."""
+    from engine.api import load
+    from engine.loading import _dominant_dtype, _is_quantized
+    from engine.prompts import load_prompts
+
+    prompts = load_prompts(["chat", "code", "math"], args.prompts_per_class)
+    out: dict = {"dtype": dtype, "target": Path(args.target).name, "draft": Path(args.draft).name}
+    t0 = time.time()
+    eng = load(args.target, dtype=dtype, draft_model=args.draft)  # converts the GGUF on first use (cached)
+    out["target_load_s"] = round(time.time() - t0, 1)
+    out["target_shapes"] = str(eng.target.shapes)
+    out["target_dtype"], out["target_quantized"] = eng.loaded.dtype, eng.loaded.quantized
+    t0 = time.time()
+    drafter = eng.drafter("draft")  # converts + loads the 0.5B, refuses a different tokenizer
+    out["draft_load_s"] = round(time.time() - t0, 1)
+    out["draft_dtype"], out["draft_quantized"] = _dominant_dtype(drafter.model), _is_quantized(drafter.model)
+    save(out)
+    log(f"pair {dtype}: target {out['target_dtype']} (quantized {out['target_quantized']}) in {out['target_load_s']} s, "
+        f"draft {out['draft_dtype']} (quantized {out['draft_quantized']}) in {out['draft_load_s']} s")
+    out["check"] = pair_check(eng, prompts[0][1], args.max_new_tokens)
+    log(f"pair check: {out['check']}")
+    save(out)
+    if deadline - time.time() < 90:
+        out["benchmark"] = f"skipped: {deadline - time.time():.0f} s of this dtype's budget left"
+        log(out["benchmark"])
+        return out
+    if args.tiny:  # a dry run: quick calibrations (cached, so the benchmark reuses them)
+        from engine.calibrate import calibrate
+
+        for mode in ("lookup", "draft"):
+            calibrate(eng, mode, eng.drafter(mode), passes=1, overhead_rounds=3)
+    t0 = time.time()
+    report = B.run_benchmark(eng, prompts, pair_arms(args.draft_caps), trials=args.trials,
+                             max_new_tokens=args.max_new_tokens,
+                             progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"), trace=True)
+    report["seconds"] = round(time.time() - t0, 1)
+    log(B.format_report(report))
+    out["benchmark"] = report
+    return out
+
+
 # ------------------------------------------------------------------ random 8B
 class IdTokenizer:
     """Enough of a tokenizer for token-id prompts on random-weight targets."""
@@ -258,10 +327,12 @@ def random8b_part(args, bits: int | None, deadline: float) -> dict:
 # ------------------------------------------------------------------ main
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=("starter", "random8b", "storm"))
+    ap.add_argument("part", choices=("starter", "pair", "random8b", "storm"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--gguf", default=None, help="the starter's GGUF file")
-    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--target", default=None, help="pair: the target's GGUF (Qwen2.5-Coder-1.5B)")
+    ap.add_argument("--draft", default=None, help="pair: the draft model's GGUF (Qwen2.5-Coder-0.5B)")
+    ap.add_argument("--dtypes", default=None, help="default: bfloat16,float16 (starter), bfloat16 (pair)")
     ap.add_argument("--bits", default="16,4", help="random8b: 16 (bf16) and/or quantized bits")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -271,12 +342,15 @@ def main() -> int:
     ap.add_argument("--noise-floor", action="store_true", help="starter: a second baseline arm (A/A)")
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
+    ap.add_argument("--draft-caps", default="auto,4", help="pair: the draft model's caps")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
     ap.add_argument("--budget", type=float, default=560.0, help="seconds this call may spend (parts skip past it)")
     ap.add_argument("--prompt", default=None, help="storm: the prompt")
     ap.add_argument("--json", default=None, help="storm: where to write its result")
     ap.add_argument("--tiny", action="store_true", help="toy shapes and few tokens: a CPU dry run of this script")
     args = ap.parse_args()
+    if args.dtypes is None:
+        args.dtypes = "bfloat16" if args.part == "pair" else "bfloat16,float16"
     if args.part == "storm":
         Path(args.json).write_text(json.dumps(storm(args.gguf, args.dtypes, args.max_new_tokens, args.prompt)))
         return 0
@@ -293,6 +367,18 @@ def main() -> int:
             share = start + args.budget * (i + 1) / len(dtypes)
             saver = Saver(out_dir / f"bench-starter-{dtype}.json")
             saver.attempt("starter", lambda: starter_part(args, dtype, share), share)
+    elif args.part == "pair":
+        missing = [f for f in (args.target, args.draft) if not f or not Path(f).is_file()]
+        if missing:
+            log(f"no pair GGUF at {missing[0]!r}")
+            return 2
+        dtypes = args.dtypes.split(",")
+        start = time.time()
+        for i, dtype in enumerate(dtypes):  # each dtype gets its share of the call's budget
+            share = start + args.budget * (i + 1) / len(dtypes)
+            saver = Saver(out_dir / f"bench-pair-{dtype}.json")
+            saver.attempt("pair", lambda: pair_part(args, dtype, share, lambda o: saver.put("pair", o)), share)
+            mx.clear_cache()
     else:
         saver = Saver(out_dir / "bench-random8b.json")
         bits_list = [int(b) for b in args.bits.split(",")]

