@@ -62,8 +62,8 @@ payload+=(.stage-cache/bench/gguf-*.whl)
 milestones=()
 has random8b && milestones+=("$(basename .stage-cache/bench/gguf-*.whl)=random8b")
 if has starter; then
-  gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
   if [ ! -s .stage-cache/bench/starter.gguf.xz ]; then
+    gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
     echo "compressing the starter GGUF (a few minutes, once)"
     xz -T0 -6 -c "$gguf" > .stage-cache/bench/starter.gguf.xz.tmp && mv .stage-cache/bench/starter.gguf.xz.tmp .stage-cache/bench/starter.gguf.xz
   fi
