@@ -18,7 +18,7 @@ from engine.sampling import Sampler
 MIN_NGRAM = 3  # shorter keys fire often on chat and mostly miss (a net loss)
 MAX_CANDIDATES = 8  # recent occurrences examined per round
 MAX_MATCH = 64
-STRONG_MATCH = MIN_NGRAM + 1  # a verbatim match this long is worth ending a parked plain run for
+STRONG_MATCH = MIN_NGRAM + 2  # a verbatim match this long is worth ending a parked plain run for
 
 
 class LookupDrafter(Drafter):
