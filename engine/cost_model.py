@@ -353,8 +353,6 @@ class CapController:
         if self.state.parked:  # a parked request probes right after its warm plain steps
             self._since_probe = self.state.probe_gap
         self._probing = False
-        self._probe_full = False  # the last probe drafted up to its cap and all of it was accepted
-        self._probe_won = False  # the last probe's drafts all held and it beat a plain step's rate
         self._cheap = False  # the loop saw a cheap draft ready: probe now
         self._cheap_probe = False  # the probe in flight was one
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
@@ -485,24 +483,25 @@ class CapController:
                 self._since_cheap = 0  # the regular probes keep their own schedule
             else:
                 self._since_probe = 0
-            self._probe_full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
-            self._probe_won = 0 < drafted == accepted and seconds > 0 and not self.seeded and \
+            full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
+            won = 0 < drafted == accepted and seconds > 0 and not self.seeded and \
                 (accepted + 1) / (seconds * 1000.0) > self.hysteresis / self.plain_ms()  # its own clock
             if not self.seeded and seconds > 0:
                 keep = 1.0 - 0.3
                 n, t, total = st.probes
                 st.probes = [n * keep + 1.0, t * keep + accepted + 1.0, total * keep + ms]
-            self._repick()
+            self._repick(probe_won=won, probe_full=full)
             # A probe that lost more than half a plain step (a rejected or empty DSpark call:
             # 2-2.7 steps on the H200 for a token) says look again later; one that lost less (an
             # n-gram lookup, rejected or empty: 1.0-1.3 steps) costs too little to wait for; an
             # accepted one says look sooner. Seeded (no clock): a rejected probe backs off. A
             # probe a cheap draft triggered leaves the regular schedule alone.
             lost = ms - (accepted + 1) * self.plain_ms() > 0.5 * self.plain_ms() if ms > 0 else accepted < drafted
-            if st.parked and not cheap and lost:
-                st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
-            elif st.parked and not cheap and drafted and accepted == drafted:
-                st.probe_gap = max(PROBE_GAP, st.probe_gap // 2)
+            if st.parked and not cheap:
+                if lost:
+                    st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
+                elif drafted and accepted == drafted:
+                    st.probe_gap = max(PROBE_GAP, st.probe_gap // 2)
             return
         self._since_repick += 1
         if self._since_repick >= self.repick_every:
@@ -573,11 +572,14 @@ class CapController:
         st.parked, st.probes = True, [0.0, 0.0, 0.0]
         self._since_probe = 0
 
-    def _repick(self) -> None:
+    def _repick(self, probe_won: bool = False, probe_full: bool = False) -> None:
+        """Re-pick the cap (or park, or unpark). After a probe: ``probe_won``, its drafts all held
+        at a better rate than plain steps; ``probe_full``, it was stopped by its cap with every
+        draft accepted."""
         st = self.state
         rates = self.rates()
         current = 0 if st.parked else int(st.cap)
-        if st.parked and not self.seeded and (self._probe_won or st.probes[0] > 0 and
+        if st.parked and not self.seeded and (probe_won or st.probes[0] > 0 and
                                               1000.0 * st.probes[1] / st.probes[2] > rates[0] * self.hysteresis):
             # the probes lately, or this one whose drafts all held, beat plain steps
             self._unpark(max(1, _argmax(rates, allow_park=False)))
@@ -591,7 +593,7 @@ class CapController:
             elif st.parked:
                 # A probe is live evidence: the model (whose curves may promise too much) unparks
                 # only after one whose drafts all held, never after a rejected one.
-                if self.seeded or self._probe_full:
+                if self.seeded or probe_full:
                     self._unpark(best)
             else:
                 st.cap = best
