@@ -493,7 +493,11 @@ def test_a_losing_probe_never_unparks_on_the_curves_word(probe):
     the drafter itself cut short (a 1-token draft, accepted, at 3 plain steps' cost)."""
     state = M.LearnedState(parked=True, rounds=20)
     ctrl = M.CapController(optimistic_cal(), 8, state=state)
-    gaps = drive_parked(ctrl, lambda cap: (state.parked or pytest.fail("unparked"), probe(cap))[1])
+    def probe_while_parked(cap: int):
+        assert state.parked  # never unparked by an earlier probe
+        return probe(cap)
+
+    gaps = drive_parked(ctrl, probe_while_parked)
     assert len(gaps) >= 3 and state.parked
 
 

@@ -162,19 +162,29 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
         out["benchmark"] = f"skipped: {deadline - time.time():.0f} s of this dtype's budget left"
         return out
     eng = load(args.gguf, dtype=dtype)
-    if args.tiny:  # a dry run: quick calibrations (cached, so the benchmark reuses them)
-        from engine.calibrate import calibrate
-
-        for mode in ("lookup", "dspark"):
-            calibrate(eng, mode, eng.drafter(mode), passes=1, overhead_rounds=3)
+    if args.tiny:
+        quick_calibrations(eng, ("lookup", "dspark"))
     arms = B.make_arms(["lookup", "dspark"], B.parse_caps(args.caps), noise_floor=args.noise_floor)
+    out["benchmark"] = benchmark(eng, prompts, arms, args)
+    return out
+
+
+def quick_calibrations(eng, modes) -> None:
+    """A dry run: one-pass calibrations (cached, so the benchmark reuses them)."""
+    from engine.calibrate import calibrate
+
+    for mode in modes:
+        calibrate(eng, mode, eng.drafter(mode), passes=1, overhead_rounds=3)
+
+
+def benchmark(eng, prompts, arms, args) -> dict:
+    """``tandem benchmark`` on ``prompts`` with run traces, logged; the report (plus its seconds)."""
     t0 = time.time()
     report = B.run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
                              progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"), trace=True)
     report["seconds"] = round(time.time() - t0, 1)
     log(B.format_report(report))
-    out["benchmark"] = report
-    return out
+    return report
 
 
 # ------------------------------------------------------------------ pair
@@ -186,11 +196,8 @@ def pair_arms(draft_caps: str) -> list[B.Arm]:
 
 def pair_check(eng, prompt, new_tokens: int) -> dict:
     """One prompt, baseline then draft@4: the draft model must change no token (greedy)."""
-    runs = {}
-    for mode, cap in (("baseline", None), ("draft", 4)):
-        r = eng.generate(prompt, mode=mode, max_new_tokens=new_tokens, max_draft=cap)
-        runs[mode] = r
-    base, draft = runs["baseline"], runs["draft"]
+    base = eng.generate(prompt, mode="baseline", max_new_tokens=new_tokens)
+    draft = eng.generate(prompt, mode="draft", max_new_tokens=new_tokens, max_draft=4)
     return {"same_tokens": base.token_ids == draft.token_ids, "tokens": base.generated,
             "baseline_tok_s": round(base.decode_tps, 2), "draft4_tok_s": round(draft.decode_tps, 2),
             "draft4_accept_per_round": round(draft.mean_accepted, 3), "draft4_rounds": len(draft.rounds)}
@@ -200,7 +207,7 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
     """The pair in ``dtype``; ``save(out)`` after each step, so a call stopped at its limit keeps
     what was measured."""
     from engine.api import load
-    from engine.loading import _dominant_dtype, _is_quantized
+    from engine.calibrate import model_precision
     from engine.prompts import load_prompts
 
     prompts = load_prompts(["chat", "code", "math"], args.prompts_per_class)
@@ -209,14 +216,14 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
     eng = load(args.target, dtype=dtype, draft_model=args.draft)  # converts the GGUF on first use (cached)
     out["target_load_s"] = round(time.time() - t0, 1)
     out["target_shapes"] = str(eng.target.shapes)
-    out["target_dtype"], out["target_quantized"] = eng.loaded.dtype, eng.loaded.quantized
+    out["target_precision"] = model_precision(eng.model)
     t0 = time.time()
     drafter = eng.drafter("draft")  # converts + loads the 0.5B, refuses a different tokenizer
     out["draft_load_s"] = round(time.time() - t0, 1)
-    out["draft_dtype"], out["draft_quantized"] = _dominant_dtype(drafter.model), _is_quantized(drafter.model)
+    out["draft_precision"] = model_precision(drafter.model)
     save(out)
-    log(f"pair {dtype}: target {out['target_dtype']} (quantized {out['target_quantized']}) in {out['target_load_s']} s, "
-        f"draft {out['draft_dtype']} (quantized {out['draft_quantized']}) in {out['draft_load_s']} s")
+    log(f"pair {dtype}: target {out['target_precision']} in {out['target_load_s']} s, "
+        f"draft {out['draft_precision']} in {out['draft_load_s']} s")
     out["check"] = pair_check(eng, prompts[0][1], args.max_new_tokens)
     log(f"pair check: {out['check']}")
     save(out)
@@ -224,18 +231,9 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
         out["benchmark"] = f"skipped: {deadline - time.time():.0f} s of this dtype's budget left"
         log(out["benchmark"])
         return out
-    if args.tiny:  # a dry run: quick calibrations (cached, so the benchmark reuses them)
-        from engine.calibrate import calibrate
-
-        for mode in ("lookup", "draft"):
-            calibrate(eng, mode, eng.drafter(mode), passes=1, overhead_rounds=3)
-    t0 = time.time()
-    report = B.run_benchmark(eng, prompts, pair_arms(args.draft_caps), trials=args.trials,
-                             max_new_tokens=args.max_new_tokens,
-                             progress=lambda d, t, s: log(f"  bench {d}/{t} {s}"), trace=True)
-    report["seconds"] = round(time.time() - t0, 1)
-    log(B.format_report(report))
-    out["benchmark"] = report
+    if args.tiny:
+        quick_calibrations(eng, ("lookup", "draft"))
+    out["benchmark"] = benchmark(eng, prompts, pair_arms(args.draft_caps), args)
     return out
 
 

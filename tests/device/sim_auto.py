@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import engine  # noqa: E402,F401  (preloads BLAS)
 from engine import cost_model as M  # noqa: E402
+from engine.calibrate import WARM_PLAIN  # noqa: E402
 from engine.sampling import Sampler, SamplingParams  # noqa: E402
 from engine.speculative import DecodeStats, FixedCap, decode  # noqa: E402
 
@@ -105,16 +106,18 @@ def main() -> int:
                                   draft=lambda c: 1.0)
     for mode in args.modes.split(","):
         drafter = eng.drafter(mode)
-        state = M.LearnedState()
-        arms = {"auto": []} | ({f"@{args.fixed}": []} if args.fixed else {})
+        state = None
+        arms = {"auto": []} | ({str(args.fixed): []} if args.fixed else {})
         for p in range(args.passes):
             for cls, prompt in prompts:
                 ids = eng.encode(prompt)
                 for arm in arms:
-                    if arm == "auto":
-                        if state.rounds or state.plain[0]:
+                    if arm == "auto":  # as engine.calibrate.auto_cap_policy carries state between requests
+                        if state is None:
+                            state = M.LearnedState()
+                        else:
                             state.shrink()
-                        policy = M.CapController(cal, drafter.max_draft, state=state, warm_plain=3)
+                        policy = M.CapController(cal, drafter.max_draft, state=state, warm_plain=WARM_PLAIN)
                     else:
                         policy = FixedCap(args.fixed)
                     clock = ModeledClock(eng.target, drafter, step=args.step, sync=args.sync,
@@ -131,15 +134,14 @@ def main() -> int:
                         clock.close()
                     plain_ms = (n - 1) * args.step
                     ms = (clock.now - start) * 1000.0
-                    rounds = [c for c in stats.caps[1:]]
                     if args.show and arm == "auto" and p == args.passes - 1:
                         print(f"{mode} {cls}: " + " ".join(f"c{c}:{d}/{a}" if c else "." for c, (d, a)
                                                          in zip(stats.caps[1:], stats.rounds[1:])))
-                    arms[arm].append((p, cls, plain_ms / ms, sum(1 for c in rounds if c > 0), n))
+                    arms[arm].append((p, cls, plain_ms / ms, sum(1 for c in stats.caps[1:] if c > 0)))
         for arm, rows in arms.items():
             last = [r for r in rows if r[0] == args.passes - 1]
             per_cls = {}
-            for _, cls, ratio, _, _ in last:
+            for _, cls, ratio, _ in last:
                 per_cls.setdefault(cls, []).append(ratio)
             print(f"{mode}@{arm}: " + "  ".join(f"{c} {statistics.mean(v):.3f} ({' '.join(f'{x:.2f}' for x in v)})"
                                               for c, v in per_cls.items())

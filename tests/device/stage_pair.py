@@ -43,8 +43,6 @@ def gguf_name(model: str) -> str:
     return f"{model}.gguf"
 
 
-
-
 def check(model: str, path: Path) -> None:
     """The assembled ``path`` has the size engine/starter.py and the sha256 the spec give."""
     m = starter.builtin_model(model)
