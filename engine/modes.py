@@ -31,7 +31,7 @@ def make_drafter(engine: EngineLike, mode: str) -> Drafter | None:
 
         loaded = load_model(engine.draft_model_spec)
         check_same_tokenizer(engine.tokenizer, loaded.tokenizer, engine.name, loaded.name)
-        return DraftModelDrafter(loaded.model)
+        return DraftModelDrafter(loaded.model, shapes=engine.target.shapes)
     if mode in BLOCK_MODES:
         return block_drafter(engine, mode)
     if mode == "eagle3":

@@ -35,9 +35,10 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
     capacities = list(range(policy.step, max(tokens, policy.step) + 1, policy.step)) if policy else []
     widest = max([d.max_draft + 1 for d in drafters.values() if d is not None] + [1])
     widths = policy.ladder(widest) if policy else []
-    block_drafters = [d for d in {id(d): d for d in drafters.values()}.values() if hasattr(getattr(
-        d, "model_drafter", d), "reserve")]
-    total = len(capacities) * (len(widths) + len(block_drafters)) + len(modes)
+    unique = list({id(d): d for d in drafters.values() if d is not None}.values())
+    block_drafters = [d for d in unique if hasattr(getattr(d, "model_drafter", d), "reserve")]
+    draft_models = [d for d in unique if hasattr(d, "warm_up")]  # a draft model's own pieces (drafters/draft_model.py)
+    total = len(capacities) * (len(widths) + len(block_drafters) + len(draft_models)) + len(modes)
     done = 0
 
     def tick(stage: str) -> None:
@@ -53,6 +54,9 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
             for drafter in block_drafters:
                 _drafter_shapes(target, getattr(drafter, "model_drafter", drafter), capacity)
                 tick(f"drafter shapes at {capacity} tokens")
+            for drafter in draft_models:
+                drafter.warm_up(capacity)
+                tick(f"draft model shapes at {capacity} tokens")
     finally:
         target.forwards = forwards  # warm-up forwards are not generation work
     for mode in modes:

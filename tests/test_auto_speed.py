@@ -426,6 +426,37 @@ def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
     assert {k for _, k in decode_shapes} <= {16, 32, 48}  # key rows: buffer capacities only
 
 
+def test_a_draft_model_under_the_shape_policy_feeds_power_of_two_pieces_losslessly(monkeypatch):
+    from engine.drafters.draft_model import DraftModelDrafter
+    from tests.tiny import make_tiny_model
+
+    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
+    copy = PROMPT * 3
+    base = eng.generate(copy, mode="baseline", max_new_tokens=48)
+    policy = ShapePolicy(step=16, widths=(1, 2, 4, 8))
+    eng.target.set_shapes(policy)
+    draft_model = make_tiny_model("llama", seed=6)  # another class than the target's: its calls are its own
+    widths: list[int] = []
+    call = type(draft_model).__call__
+    monkeypatch.setattr(type(draft_model), "__call__",
+                        lambda self, ids, *a, **kw: widths.append(ids.shape[1]) or call(self, ids, *a, **kw))
+    drafter = DraftModelDrafter(draft_model, max_draft=4, shapes=policy)
+    drafter.warm_up(32)  # every piece width at a 32-row buffer, and nothing left behind
+    assert widths == [1, 1, 2, 4, 8, 16] and drafter._cached == []
+    eng.set_drafter("draft", drafter)
+    for cap in (4, "auto"):  # auto parks on drafts that miss: pending rows pile up for the next probe
+        widths.clear()
+        res = eng.generate(copy, mode="draft", max_new_tokens=48, max_draft=cap)
+        assert res.token_ids == base.token_ids
+        assert widths and all(w & (w - 1) == 0 for w in widths), widths
+        assert all(isinstance(c, StableKVCache) and c.keys.shape[2] % 16 == 0 for c in drafter._cache)
+    # Thirteen tokens behind the draft cache go in as 8 + 4 + 1 rows.
+    drafter.begin(copy, None)
+    widths.clear()
+    drafter.propose(copy + list(range(3, 15)), 2, Sampler(SamplingParams()))
+    assert widths == [8, 4, 1, 1]  # the pieces, then one draft step
+
+
 # ------------------------------------------------------------------ the calibrated confidence cut
 def test_the_confidence_cut_follows_the_cost_curves():
     rng = random.Random(5)

@@ -10,6 +10,11 @@ rejected drafts go: full-attention caches trim them (checked); a draft model wit
 windows or recurrent state (Gemma-3, Qwen3.5 as drafters) returns to the savepoint taken before
 the proposal fed anything (engine/caches.py) and feeds those tokens again with the accepted
 drafts and the new ones, one forward of a few rows.
+
+Under a shape policy (engine/shapes.py, CUDA) the draft model's attention caches are
+``StableKVCache`` buffers and what a proposal feeds goes in power-of-two pieces (after a parked
+run that is hundreds of tokens): a backend that compiles a kernel per (rows, key rows) shape
+then builds a few once (``warm_up``) instead of one on nearly every proposal.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from engine import caches
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
 from engine.sampling import Sampler
+from engine.shapes import ShapePolicy, StableKVCache, stabilize
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
@@ -40,9 +46,10 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     has_model = True
 
-    def __init__(self, model: Any, max_draft: int = 4):
+    def __init__(self, model: Any, max_draft: int = 4, shapes: ShapePolicy | None = None):
         self.model = model
         self.max_draft = max_draft
+        self.shapes = shapes
         self._cache: list = []
         self._trims = True  # every layer of the draft model drops rows by trimming
         self._cached: list[int] = []  # tokens whose rows the draft cache holds, in order
@@ -59,7 +66,7 @@ class DraftModelDrafter(Drafter):
         self._feed(list(prompt_ids)[:-1])
 
     def _reset(self) -> None:
-        self._cache = make_prompt_cache(self.model)
+        self._cache = stabilize(make_prompt_cache(self.model), self.shapes)
         reason = caches.blocker(self._cache)
         if reason is not None:
             raise TandemError(f"the draft model cannot draft: {reason}")
@@ -72,9 +79,39 @@ class DraftModelDrafter(Drafter):
         """Prefill these tokens after the cached ones (all but the last prompt token: the loop's
         anchor is fed at proposal time)."""
         for start in range(0, len(tokens), 512):
-            self.model(mx.array([tokens[start : start + 512]]), cache=self._cache)
+            self._forward(tokens[start : start + 512])
             mx.eval([c.state for c in self._cache])
         self._cached = self._cached + tokens
+
+    def _forward(self, tokens: list[int]) -> mx.array:
+        """The draft model over ``tokens`` after its cache: the last row's logits. Under a shape
+        policy in power-of-two pieces, largest first (13 rows: 8 + 4 + 1), queued lazily."""
+        if self.shapes is None:
+            return self.model(mx.array([tokens]), cache=self._cache)[0, -1]
+        start = 0
+        while start < len(tokens):
+            piece = 1 << ((len(tokens) - start).bit_length() - 1)
+            logits = self.model(mx.array([tokens[start : start + piece]]), cache=self._cache)
+            start += piece
+        return logits[0, -1]
+
+    def warm_up(self, capacity: int) -> None:
+        """Build, now, the kernels a proposal uses with the cache at ``capacity`` rows: a forward
+        of each power-of-two width up to 512 (values do not matter, shapes do). Leaves no state."""
+        self._reset()
+        stable = [c for c in caches.leaves(self._cache) if isinstance(c, StableKVCache)]
+        if not stable:  # no shape policy, or a draft model with windows or recurrent state
+            return
+        self.model(mx.zeros((1, 1), dtype=mx.uint32), cache=self._cache)
+        for c in stable:
+            c.reserve(capacity, (c.keys, c.values))
+        width = 1
+        while width <= 512 and width < capacity:
+            mx.eval(self.model(mx.zeros((1, width), dtype=mx.uint32), cache=self._cache))
+            for c in caches.leaves(self._cache):
+                caches.trim(c, width)
+            width *= 2
+        self._reset()
 
     def state(self) -> DrafterState | None:
         if not self._cache or self._uncommitted.size:
@@ -126,7 +163,7 @@ class DraftModelDrafter(Drafter):
         pending = self._sync(ids)
         if not self._trims:
             self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)
-        logits = self.model(mx.array([pending]), cache=self._cache)[0, -1]
+        logits = self._forward(pending)
         tokens, probs = [], []
         for i in range(cap):
             if sampler.greedy:

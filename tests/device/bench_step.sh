@@ -10,16 +10,29 @@
 #   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16)
 #   pair      tests/device/bench_device.py pair (Qwen2.5-Coder-1.5B target + 0.5B draft model;
 #             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3")
+#   --peer    (no folder: a call of its own once the starter's has run) tests/peer/compare.py:
+#             Tandem beside mlx-dspark on the starter, PEER_ARGS e.g. "--dtype float16"
 # Results land in $OUT (JSON + logs). DRY=1: a CPU dry run here (KEEP/SITE/WORK/OUT under a temp
 # folder, the local Python, toy sizes).
 set -uo pipefail
-dir=${1:?usage: bench_step.sh .benchN}
+dir=${1:?usage: bench_step.sh .benchN | --peer}
 KEEP=${KEEP:-/root/keep}; SITE=${SITE:-/root/site}; WORK=${WORK:-/root/work}; OUT=${OUT:-$WORK/out}
 PY=${PYTHON:-python3}
 mkdir -p "$KEEP" "$SITE" "$WORK" "$OUT"
 export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=$WORK/cache
 t0=$SECONDS
 say() { echo "[$(date +%H:%M:%S) +$((SECONDS - t0))s] $*"; }
+gguf=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [ "$dir" = --peer ]; then
+  [ -s "$gguf" ] && [ -e "$KEEP/.installed" ] || { echo "bench_step --peer: run the starter's call first" >&2; exit 3; }
+  export PYTHONPATH=$SITE:$PWD
+  tiny=(); [ "${DRY:-0}" = 1 ] && tiny=(--trials 1 --per-class 1 --max-new-tokens 12)
+  say "Tandem beside mlx-dspark on the starter"
+  "$PY" tests/peer/compare.py --gguf "$gguf" --peer-python "$PY" --peer-path "$SITE" --max-draft auto \
+    --json "$OUT/peer.json" ${PEER_ARGS:---dtype bfloat16 --trials 3 --per-class 2} "${tiny[@]}" 2>&1 | tee -a "$OUT/peer.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 manifest=$dir/manifest.json
 action=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['action'])" "$manifest") || exit 3
@@ -42,11 +55,10 @@ tiny=()
 run() { "$PY" tests/device/bench_device.py "$@" "${tiny[@]}" --out "$OUT" 2>&1 | tee -a "$OUT/$1.log"; }
 
 case "$action" in
-  *random8b*) say "random 8B-shaped targets"; run random8b --budget "${BUDGET_8B:-200}" ;;
+  *random8b*) say "random 8B-shaped targets"; run random8b --budget "${BUDGET_8B:-200}" ${R8B_ARGS:-} ;;
 esac
 case "$action" in
   *starter*)
-    gguf=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
     if [ ! -s "$gguf" ]; then
       say "decompressing the starter GGUF"
       "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \

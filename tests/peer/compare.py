@@ -74,22 +74,25 @@ def prompts(per_class: int) -> list[tuple[str, str]]:
     return [(cls, text) for cls, texts in PROMPTS.items() for text in texts[:per_class]]
 
 
-def fp32_folder() -> Path:
-    """The starter as a float32 mlx-lm folder both engines load (converted once, then cached)."""
+def model_folder(gguf: str | None = None, dtype: str | None = None) -> Path:
+    """One mlx-lm folder both engines load, converted once, then cached. Default: the starter as
+    dense float32 (the CPU policy). With ``dtype`` (a GPU run): ``gguf`` (default the starter) as
+    Tandem loads it there, quantized weights kept and the rest cast to ``dtype``."""
     from engine.paths import cache_root
 
-    out = cache_root() / "peer" / "smollm2-135m-fp32"
+    stem = Path(gguf).stem.lower() if gguf else "smollm2-135m"
+    out = cache_root() / "peer" / f"{stem}-{dtype or 'fp32'}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     from mlx_lm.utils import save_config, save_model
 
     from engine.loading import load_model
 
-    loaded = load_model(None, dense=True)  # starter GGUF -> conversion cache -> dense float32
+    loaded = load_model(gguf, dense=True) if dtype is None else load_model(gguf, dtype=dtype)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(tmp, loaded.model)
-    save_config({**loaded.config, "torch_dtype": "float32"}, tmp / "config.json")
+    save_config({**loaded.config, "torch_dtype": dtype or "float32"}, tmp / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(loaded.path / name, tmp / name)
     shutil.rmtree(out, ignore_errors=True)
@@ -100,9 +103,11 @@ def fp32_folder() -> Path:
 class Peer:
     """The mlx-dspark worker process: one JSON request, one JSON reply."""
 
-    def __init__(self, python: str, lend_skinny: bool):
+    def __init__(self, python: str, lend_skinny: bool, path: str | None = None):
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # its own site-packages only; the worker adds the repo for `engine`
+        if path:  # a machine without a virtualenv for it: the folder its packages were installed into
+            env["PYTHONPATH"] = path
         if not lend_skinny:
             env["TANDEM_NO_SKINNY"] = "1"
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("peer_worker.py"))], cwd=ROOT, env=env,
@@ -155,8 +160,9 @@ class Arm:
         return sum(r.timed_tokens for r in runs) / rounds if rounds else 0.0
 
 
-def tandem_run(eng, mode: str, ids: list[int], max_new_tokens: int) -> Run:
-    r = eng.generate(ids, mode=mode, max_new_tokens=max_new_tokens)
+def tandem_run(eng, mode: str, ids: list[int], max_new_tokens: int, max_draft: str | None = None) -> Run:
+    r = eng.generate(ids, mode=mode, max_new_tokens=max_new_tokens, prefix_cache=False,
+                     max_draft=None if mode == "baseline" else max_draft)
     return Run(list(r.token_ids), r.decode_s, len(r.rounds) - 1)
 
 
@@ -178,6 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--peer-python", default="/work/peer-venv/bin/python")
+    p.add_argument("--peer-path", default=None,
+                   help="PYTHONPATH for the peer worker (its packages installed with pip --target)")
+    p.add_argument("--gguf", default=None, help="the target GGUF (default: the starter)")
+    p.add_argument("--dtype", default=None,
+                   help="load the GGUF as Tandem does on a GPU (quantized weights kept) in this dtype; "
+                        "default: dense float32, the CPU policy")
+    p.add_argument("--max-draft", default=None,
+                   help="Tandem's cap (auto, or a number; default: its calibrated cap)")
     p.add_argument("--peer-skinny", action="store_true",
                    help="lend Tandem's skinny matmuls (engine/skinny_gemm.py) to the peer as well")
     p.add_argument("--tandem-plain", action="store_true",
@@ -191,13 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     from engine.api import load
     from engine.calibrate import calibrate
 
-    folder = fp32_folder()
-    peer = Peer(args.peer_python, args.peer_skinny)
+    folder = model_folder(args.gguf, args.dtype)
+    peer = Peer(args.peer_python, args.peer_skinny, args.peer_path)
     peer_info = peer.ask(cmd="load", model=str(folder), drafter=str(DRAFTER))
     eng = load(str(folder), drafter=str(DRAFTER))
     for mode in modes:
         if mode != "baseline":  # Tandem's default caps come from its calibration, measured before timing
             calibrate(eng, mode, eng.drafter(mode))
+    if platform.backend() != "cpu":  # what `tandem generate` does on a GPU: compile the session's shapes now
+        print(f"warm-up: {eng.warm_up(modes):.0f} s", file=sys.stderr)
     work = [(cls, eng.encode(text)) for cls, text in prompts(args.per_class)]
     blas = platform.blas_status()
     print(f"model {folder} | {len(work)} prompts x {args.trials} trials, {args.max_new_tokens} new tokens, greedy")
@@ -219,11 +235,11 @@ def main(argv: list[str] | None = None) -> int:
         if arm.engine == "peer":
             return peer_run(peer, arm.mode, ids, n)
         if arm.engine == "tandem":
-            return tandem_run(eng, arm.mode, ids, n)
+            return tandem_run(eng, arm.mode, ids, n, args.max_draft)
         platform.skinny_matmuls(False)  # "tandem-plain": this branch's CPU-step work off
         eng.target.compiled_off = "off for the comparison"
         try:
-            return tandem_run(eng, arm.mode, ids, n)
+            return tandem_run(eng, arm.mode, ids, n, args.max_draft)
         finally:
             platform.skinny_matmuls(True)
             eng.target.compiled_off = compiled_off
