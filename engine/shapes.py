@@ -58,6 +58,20 @@ def capacity(rows: int, step: int) -> int:
     return max(1, -(-rows // step)) * step
 
 
+def pieces(rows: int, stable: bool, chunk: int) -> list[int]:
+    """Row counts to feed ``rows`` rows in: chunks of at most ``chunk`` (bounded memory), and
+    under a shape policy powers of two, largest first (13 -> 8 + 4 + 1), so rows fed after a
+    parked stretch bring a known width instead of a new one (and a compile) almost every time."""
+    out = []
+    while rows > 0:
+        size = min(rows, chunk)
+        if stable:
+            size = 1 << (size.bit_length() - 1)
+        out.append(size)
+        rows -= size
+    return out
+
+
 def default_policy() -> ShapePolicy | None:
     """Stable shapes where a backend compiles per shape (CUDA), else None."""
     forced = os.environ.get("TANDEM_STABLE_SHAPES", "").strip()

@@ -38,7 +38,7 @@ from mlx_lm.models.qwen3 import MLP
 
 from engine.drafters.base import Drafter, DrafterState
 from engine.errors import TandemError
-from engine.shapes import capacity, capacity_mask
+from engine.shapes import capacity, capacity_mask, pieces
 
 if TYPE_CHECKING:
     from engine.shapes import ShapePolicy
@@ -499,20 +499,6 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
 
 
-def context_pieces(rows: int, stable: bool) -> list[int]:
-    """Row counts to project ``rows`` pending context rows in: chunks of CONTEXT_CHUNK, and under
-    a shape policy powers of two (a GPU backend compiles per shape: rows projected after a parked
-    stretch would otherwise bring a new count, and a compile, almost every time)."""
-    pieces = []
-    while rows > 0:
-        size = min(rows, CONTEXT_CHUNK)
-        if stable:
-            size = 1 << (size.bit_length() - 1)
-        pieces.append(size)
-        rows -= size
-    return pieces
-
-
 # ----------------------------------------------------------------------------------------
 # The drafter
 # ----------------------------------------------------------------------------------------
@@ -550,7 +536,7 @@ class BlockDrafter(Drafter):
         self._pending = []
         total = int(rows.shape[0])
         start = 0
-        for size in context_pieces(total, stable=self.target.shapes is not None):
+        for size in pieces(total, self.target.shapes is not None, CONTEXT_CHUNK):
             self._append(rows[start : start + size])
             start += size
             if total > CONTEXT_CHUNK:

@@ -28,7 +28,9 @@ from engine import caches
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
 from engine.sampling import Sampler
-from engine.shapes import ShapePolicy, StableKVCache, stabilize
+from engine.shapes import ShapePolicy, StableKVCache, pieces, stabilize
+
+FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
@@ -78,26 +80,23 @@ class DraftModelDrafter(Drafter):
     def _feed(self, tokens: list[int]) -> None:
         """Prefill these tokens after the cached ones (all but the last prompt token: the loop's
         anchor is fed at proposal time)."""
-        for start in range(0, len(tokens), 512):
-            self._forward(tokens[start : start + 512])
+        for start in range(0, len(tokens), FEED_CHUNK):
+            self._forward(tokens[start : start + FEED_CHUNK])
             mx.eval([c.state for c in self._cache])
         self._cached = self._cached + tokens
 
     def _forward(self, tokens: list[int]) -> mx.array:
         """The draft model over ``tokens`` after its cache: the last row's logits. Under a shape
-        policy in power-of-two pieces, largest first (13 rows: 8 + 4 + 1), queued lazily."""
-        if self.shapes is None:
-            return self.model(mx.array([tokens]), cache=self._cache)[0, -1]
+        policy in power-of-two pieces (``shapes.pieces``), queued lazily."""
         start = 0
-        while start < len(tokens):
-            piece = 1 << ((len(tokens) - start).bit_length() - 1)
-            logits = self.model(mx.array([tokens[start : start + piece]]), cache=self._cache)
-            start += piece
+        for size in pieces(len(tokens), self.shapes is not None, FEED_CHUNK):
+            logits = self.model(mx.array([tokens[start : start + size]]), cache=self._cache)
+            start += size
         return logits[0, -1]
 
     def warm_up(self, capacity: int) -> None:
         """Build, now, the kernels a proposal uses with the cache at ``capacity`` rows: a forward
-        of each power-of-two width up to 512 (values do not matter, shapes do). Leaves no state."""
+        of each power-of-two width up to FEED_CHUNK (values do not matter, shapes do). Leaves no state."""
         self._reset()
         stable = [c for c in caches.leaves(self._cache) if isinstance(c, StableKVCache)]
         if not stable:  # no shape policy, or a draft model with windows or recurrent state
@@ -106,9 +105,9 @@ class DraftModelDrafter(Drafter):
         for c in stable:
             c.reserve(capacity, (c.keys, c.values))
         width = 1
-        while width <= 512 and width < capacity:
+        while width <= FEED_CHUNK and width < capacity:
             mx.eval(self.model(mx.zeros((1, width), dtype=mx.uint32), cache=self._cache))
-            for c in caches.leaves(self._cache):
+            for c in stable:  # stabilize replaced every layer's cache: each one trims
                 caches.trim(c, width)
             width *= 2
         self._reset()
