@@ -34,6 +34,8 @@ PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles 
 MAX_PROBE_GAP = 256
 NEW_REQUEST_GAP = 64  # the longest gap a new request starts with: a second look within a short answer
 CHEAP_GAP = 8  # plain steps between two probes that a cheap draft (a long n-gram match) triggered
+PROBE_BUDGET = 0.02  # parked, probes lose at most this share of the plain steps' time ...
+MAX_BUDGET_GAP = 1024  # ... unless that needs a longer gap than this (a few requests' worth)
 CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rounds / 2 rounds
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
@@ -239,6 +241,8 @@ class LearnedState:
     realized: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds, tokens, ms since unparking
     probes: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # decayed probes, their tokens, ms
     probe_gap: int = PROBE_GAP
+    since_probe: int = 0  # parked plain steps since the last probe, across requests
+    probe_loss: float = 0.0  # plain steps a probe loses beyond its tokens, catch-up included (EWMA)
 
     def shrink(self, factor: float = 0.5) -> None:
         """Start a new request trusting the old evidence less (the content changed)."""
@@ -252,8 +256,13 @@ class LearnedState:
         self.realized = [0.0, 0.0, 0.0]  # new content: a spell is judged on its own rounds
         self.probes = [x * factor for x in self.probes]
         # A parked request probes at its start (new content may pay) and again within a short
-        # answer; probes that kept failing on earlier requests stay rarer than PROBE_GAP.
+        # answer; probes that kept failing on earlier requests stay rarer than PROBE_GAP, and
+        # probes too costly for the budget wait for it across requests (budget_gap).
         self.probe_gap = min(max(PROBE_GAP, self.probe_gap // 2), NEW_REQUEST_GAP)
+
+    def budget_gap(self) -> int:
+        """The fewest plain steps between probes that keeps their losses within PROBE_BUDGET."""
+        return min(int(self.probe_loss / PROBE_BUDGET), MAX_BUDGET_GAP)
 
 
 def _bucket(position: int) -> int:
@@ -309,7 +318,11 @@ class CapController:
       step, up to ``MAX_PROBE_GAP``, and halves after an accepted one). Each
       parked request starts with a probe, then keeps its predecessors' gap halved, at most
       ``NEW_REQUEST_GAP``: probes that keep failing stay rare, yet a short answer gets a second
-      look. It unparks when a probe whose drafts all held beats a plain step's rate, when the
+      look. Whatever the gap says, probes wait until they lose at most ``PROBE_BUDGET`` of the
+      plain steps' time, counted across requests: a probe's loss (its time, plus the drafter's
+      catch-up before it, beyond what its tokens cost as plain steps) sets the fewest steps
+      between two (a draft model that feeds its whole backlog to make one costly round is
+      probed once in several short answers, not at each one's start). It unparks when a probe whose drafts all held beats a plain step's rate, when the
       probes lately do, or when the model does after a probe stopped only by its cap with every
       draft accepted (a capped probe undervalues long drafts; a rejected or self-cut one
       outweighs curves that may promise too much).
@@ -349,10 +362,10 @@ class CapController:
         if len(self.state.cost) != 5:
             self.state.cost = [0.0] * 5
         self._since_repick = 0
-        self._since_probe = 0  # plain steps since parking or the last probe
-        if self.state.parked:  # a parked request probes right after its warm plain steps
-            self._since_probe = self.state.probe_gap
+        if self.state.parked:  # a parked request probes right after its warm plain steps, budget allowing
+            self.state.since_probe = max(self.state.since_probe, self.state.probe_gap)
         self._probing = False
+        self._catch_up_ms = 0.0  # the drafter's catch-up before the round observed next
         self._cheap = False  # the loop saw a cheap draft ready: probe now
         self._cheap_probe = False  # the probe in flight was one
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
@@ -423,7 +436,7 @@ class CapController:
         st = self.state
         if self._warm > 0:
             cap = 0
-        elif st.parked and (self._cheap or self._since_probe >= st.probe_gap):
+        elif st.parked and (self._cheap or st.since_probe >= self._gap()):
             self._probing, self._cheap_probe, self._cheap = True, self._cheap, False
             cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
         else:
@@ -447,8 +460,14 @@ class CapController:
         if self._warm > 0:
             return self._warm
         if self.state.parked:
-            return max(1, self.state.probe_gap - self._since_probe)
+            return max(1, self._gap() - self.state.since_probe)
         return 1
+
+    def _gap(self) -> int:
+        return max(self.state.probe_gap, self.state.budget_gap())
+
+    def observe_catch_up(self, seconds: float) -> None:
+        self._catch_up_ms += seconds * 1000.0
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         st = self.state
@@ -456,7 +475,7 @@ class CapController:
         if cap == 0:  # one plain step
             self._warm = max(0, self._warm - 1)
             if st.parked:
-                self._since_probe += 1
+                st.since_probe += 1
                 self._since_cheap += 1
             if not self.seeded and seconds > 0 and self._run_pos > 0:  # the first one fills the pipeline
                 keep = 1.0 - self.plain_decay
@@ -464,6 +483,7 @@ class CapController:
             self._run_pos += 1
             return
         self._run_pos = 0
+        catch_up_ms, self._catch_up_ms = self._catch_up_ms, 0.0
         st.rounds += 1
         self._learn_length(min(drafted, cap), cap)
         self._learn_acceptance(drafted, accepted)
@@ -482,7 +502,7 @@ class CapController:
             if cheap:
                 self._since_cheap = 0  # the regular probes keep their own schedule
             else:
-                self._since_probe = 0
+                st.since_probe = 0
             full = 0 < cap == drafted == accepted  # stopped by the cap, not by the drafter
             won = 0 < drafted == accepted and seconds > 0 and not self.seeded and \
                 (accepted + 1) / (seconds * 1000.0) > self.hysteresis / self.plain_ms()  # its own clock
@@ -496,7 +516,11 @@ class CapController:
             # n-gram lookup, rejected or empty: 1.0-1.3 steps) costs too little to wait for; an
             # accepted one says look sooner. Seeded (no clock): a rejected probe backs off. A
             # probe a cheap draft triggered leaves the regular schedule alone.
-            lost = ms - (accepted + 1) * self.plain_ms() > 0.5 * self.plain_ms() if ms > 0 else accepted < drafted
+            loss = (ms + catch_up_ms) / self.plain_ms() - (accepted + 1)  # in plain steps
+            lost = loss > 0.5 if ms > 0 else accepted < drafted
+            if not cheap and ms > 0:
+                loss = max(0.0, loss)
+                st.probe_loss = loss if st.probe_loss == 0 else 0.5 * (st.probe_loss + loss)
             if st.parked and not cheap:
                 if lost:
                     st.probe_gap = min(2 * st.probe_gap, MAX_PROBE_GAP)
@@ -570,7 +594,7 @@ class CapController:
     def _park(self) -> None:
         st = self.state
         st.parked, st.probes = True, [0.0, 0.0, 0.0]
-        self._since_probe = 0
+        st.since_probe = 0
 
     def _repick(self, probe_won: bool = False, probe_full: bool = False) -> None:
         """Re-pick the cap (or park, or unpark). After a probe: ``probe_won``, its drafts all held

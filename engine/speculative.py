@@ -19,7 +19,10 @@ with filler rows after the drafts; their logits are never read and the verify's 
 their rows with the rejected drafts.
 
 Round times (``CapPolicy.observe``) are wall time from one emitted round to the next, so a
-plain step and a round are priced alike, including the consumer's share between them.
+plain step and a round are priced alike, including the consumer's share between them. A
+drafter's catch-up before a round (``Drafter.catch_up``: a draft model feeding the prompt or a
+parked run) is a one-off, not the round's cost: it is left out and told to the policy apart
+(``observe_catch_up``), which counts it as the price of probing.
 
 A sequence may start from a ``Resume`` (a prefix cache hit: the target's caches already hold the
 prompt's first tokens) and prefill only the rest. ``DecodeStats`` says at every yield which
@@ -63,7 +66,9 @@ class CapPolicy(Protocol):
     When ``cap()`` is 0 the loop takes ``plain_run()`` pipelined plain steps (a policy without
     the method gets one) and reports each to ``observe`` with ``drafted == 0``. While the
     policy's optional ``watch_cheap_drafts()`` says so, the run ends early when the drafter has
-    a cheap draft ready (``Drafter.cheap_draft_ready``), telling the policy ``cheap_draft()``."""
+    a cheap draft ready (``Drafter.cheap_draft_ready``), telling the policy ``cheap_draft()``.
+    An optional ``observe_catch_up(seconds)`` hears of a drafter's catch-up before the round
+    that ``observe`` reports next."""
 
     def cap(self) -> int: ...
 
@@ -232,6 +237,11 @@ def decode(
                     return
             continue
         t_round = clock()
+        if drafter.catch_up(ids):  # a one-off backlog (the prompt, a parked run): not the round's cost
+            caught_up = clock() - t_round
+            t_last += caught_up
+            _tell_catch_up(cap_policy, caught_up)
+            t_round = clock()
         draft = drafter.propose(ids, cap, sampler)
         if draft is not None and len(draft) > cap:
             draft.tokens = draft.tokens[:cap]
@@ -265,6 +275,12 @@ def decode(
         yield out, event
         if done:
             return
+
+
+def _tell_catch_up(policy: CapPolicy, seconds: float) -> None:
+    told = getattr(policy, "observe_catch_up", None)
+    if told is not None:
+        told(seconds)
 
 
 def _plain_run_length(policy: CapPolicy) -> int:

@@ -85,6 +85,12 @@ class Drafter:
         new. ``hidden`` holds the tapped rows for the tokens the target just cached (the previous
         anchor and the accepted drafts: ``n_new`` rows) or None."""
 
+    def catch_up(self, ids: Sequence[int]) -> int:
+        """Before a round: do now, and wait for, the work a proposal after ``ids`` would first
+        spend on tokens it has not seen (a draft model's prefill of the prompt or of a parked
+        run), so the loop times it apart from the round. Returns the tokens caught up (0: none)."""
+        return 0
+
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         """Whether a draft that costs next to nothing to make (a long n-gram match) and is
         likely to hold follows ``ids`` now: a parked ``--max-draft auto`` ends its plain run

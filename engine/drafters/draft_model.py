@@ -2,7 +2,9 @@
 
 The classic two-model setup (e.g. Qwen2.5-Coder-0.5B drafting for 1.5B). The draft model keeps
 its own cache of committed tokens; each proposal feeds what it has not seen yet and then runs
-``cap`` cheap steps. Its drafts stay on the device as a lazy graph, so the target's verify
+``cap`` steps. Nothing is fed before the first proposal: a request that ``--max-draft auto``
+keeps parked never pays the draft model's prefill. A long backlog (the prompt, a parked run)
+is fed by ``catch_up`` before the round, so the round is timed on its own. Its drafts stay on the device as a lazy graph, so the target's verify
 forward is queued behind them without a host round trip.
 
 The draft steps write their rows into the draft model's cache. At the next proposal the rows of
@@ -31,6 +33,7 @@ from engine.sampling import Sampler
 from engine.shapes import ShapePolicy, StableKVCache, pieces, stabilize
 
 FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
+CATCH_UP_MIN = 16  # a shorter backlog is fed with the proposal, in the same lazy graph (no sync)
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
@@ -64,8 +67,7 @@ class DraftModelDrafter(Drafter):
         return None if reason is None else f"the draft model: {reason}"
 
     def begin(self, prompt_ids: Sequence[int], hidden: mx.array | None) -> None:
-        self._reset()
-        self._feed(list(prompt_ids)[:-1])
+        self._reset()  # the prompt is fed at the first proposal, or by catch_up before it
 
     def _reset(self) -> None:
         self._cache = stabilize(make_prompt_cache(self.model), self.shapes)
@@ -78,8 +80,8 @@ class DraftModelDrafter(Drafter):
         self._uncommitted = mx.array([], dtype=mx.uint32)
 
     def _feed(self, tokens: list[int]) -> None:
-        """Prefill these tokens after the cached ones (all but the last prompt token: the loop's
-        anchor is fed at proposal time)."""
+        """Prefill these committed tokens after the cached ones, a chunk per sync (the anchor
+        after them is fed with the proposal)."""
         for start in range(0, len(tokens), FEED_CHUNK):
             self._forward(tokens[start : start + FEED_CHUNK])
             mx.eval([c.state for c in self._cache])
@@ -112,8 +114,22 @@ class DraftModelDrafter(Drafter):
             width *= 2
         self._reset()
 
+    def catch_up(self, ids: Sequence[int]) -> int:
+        """Feed, now, the committed tokens before the anchor that the cache lacks, when they are
+        many (the prompt, a parked run): the loop times this apart from the round."""
+        return self._feed_backlog(ids, CATCH_UP_MIN)
+
+    def _feed_backlog(self, ids: Sequence[int], least: int) -> int:
+        if not self._cache:
+            return 0
+        backlog = self._sync(ids)[:-1]
+        if len(backlog) < least:
+            return 0
+        self._feed(backlog)
+        return len(backlog)
+
     def state(self) -> DrafterState | None:
-        if not self._cache or self._uncommitted.size:
+        if not self._cache or not self._cached or self._uncommitted.size:
             return None
         return DrafterState(len(self._cached), {"cache": caches.snapshot(self._cache),
                                                 "ids": mx.array(self._cached, dtype=mx.uint32)})
@@ -132,8 +148,7 @@ class DraftModelDrafter(Drafter):
             self.begin(prompt_ids, hidden)
             return
         caches.trim_to(self._cache, keep)
-        self._cached = stored[:keep]
-        self._feed(head[keep:])
+        self._cached = stored[:keep]  # the rest of the prompt is fed later, as after begin
 
     def _sync(self, ids: Sequence[int]) -> list[int]:
         """Drop cached rows that are not a prefix of ``ids``; return the tokens still to feed."""
@@ -159,6 +174,7 @@ class DraftModelDrafter(Drafter):
         cap = min(cap, self.max_draft)
         if cap <= 0:
             return None
+        self._feed_backlog(ids, FEED_CHUNK)  # a backlog nobody caught up: bounded chunks, not one graph
         pending = self._sync(ids)
         if not self._trims:
             self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)

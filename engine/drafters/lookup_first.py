@@ -59,6 +59,9 @@ class LookupFirst(Drafter):
         self.lookup.commit(ids, n_new, hidden)
         self.model_drafter.commit(ids, n_new, hidden)
 
+    def catch_up(self, ids: Sequence[int]) -> int:
+        return self.model_drafter.catch_up(ids)
+
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         return self.lookup.cheap_draft_ready(ids)
 

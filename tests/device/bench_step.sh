@@ -7,7 +7,8 @@
 # wheels once they all are (MLX CUDA, mlx-lm, gguf), then runs the call's action:
 #   keep      nothing more
 #   random8b  tests/device/bench_device.py random8b (Qwen3-8B shapes, random weights, bf16 + 4-bit)
-#   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16)
+#   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16;
+#             STARTER_BENCH=0 only unpacks the GGUF, e.g. for --peer)
 #   pair      tests/device/bench_device.py pair (Qwen2.5-Coder-1.5B target + 0.5B draft model;
 #             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3")
 #   --peer    (no folder: a call of its own once the starter's has run) tests/peer/compare.py:
@@ -23,9 +24,16 @@ export PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=$WORK/cache
 t0=$SECONDS
 say() { echo "[$(date +%H:%M:%S) +$((SECONDS - t0))s] $*"; }
 gguf=$WORK/SmolLM2-135M-Instruct.Q4_1.gguf
+unpack_starter() {
+  [ -s "$gguf" ] && return 0
+  say "decompressing the starter GGUF"
+  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$KEEP/starter.gguf.xz" "$gguf" || exit 6
+}
 
 if [ "$dir" = --peer ]; then
-  [ -s "$gguf" ] && [ -e "$KEEP/.installed" ] || { echo "bench_step --peer: run the starter's call first" >&2; exit 3; }
+  [ -e "$KEEP/starter.gguf.xz" ] && [ -e "$KEEP/.installed" ] || { echo "bench_step --peer: run the starter's call first" >&2; exit 3; }
+  unpack_starter
   export PYTHONPATH=$SITE:$PWD
   tiny=(); [ "${DRY:-0}" = 1 ] && tiny=(--trials 1 --per-class 1 --max-new-tokens 12)
   say "Tandem beside mlx-dspark on the starter"
@@ -59,13 +67,9 @@ case "$action" in
 esac
 case "$action" in
   *starter*)
-    if [ ! -s "$gguf" ]; then
-      say "decompressing the starter GGUF"
-      "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
-        "$KEEP/starter.gguf.xz" "$gguf" || exit 6
-    fi
-    say "starter benchmarks"
-    run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-} ;;
+    unpack_starter
+    if [ "${STARTER_BENCH:-1}" = 0 ]; then say "starter staged (STARTER_BENCH=0: no benchmark)"
+    else say "starter benchmarks"; run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-}; fi ;;
 esac
 case "$action" in
   *pair*)
