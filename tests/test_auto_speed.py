@@ -402,6 +402,37 @@ def test_stable_cache_forwards_match_the_plain_cache_and_roll_back_exactly(eng):
     assert window.tolist() == [[False] * 4 + [True] * 2 + [False] * 2]
 
 
+def test_a_low_precision_target_keeps_stable_shapes_within_its_rounding(monkeypatch):
+    """On CUDA a bf16 verify over the whole masked buffer rounds about an ulp away from the sliced
+    one (another reduction order). The shape probe allows a bf16 model its rounding (fp32's
+    1e-3 refused the policy for every bf16 target on the H200: compile storms all round) and
+    still refuses, saying why, a difference beyond it."""
+    from engine.target import Target
+
+    eng = make_tiny_engine("qwen3", seed=2, scale=4.0)
+    eng.target.model.set_dtype(mx.bfloat16)
+    two_step = Target._two_step_logits
+
+    def stable_off_by(share):
+        def logits(self, ids, cache):
+            out = two_step(self, ids, cache)
+            if not any(isinstance(c, StableKVCache) for c in cache):
+                return out
+            return out.astype(mx.float32) + share * mx.abs(out.astype(mx.float32)).max()
+        return logits
+
+    monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(5e-3))
+    eng.target.set_shapes(ShapePolicy(step=16))
+    assert eng.target.shapes == ShapePolicy(step=16) and eng.target.shapes_refused == ""
+    monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(0.1))
+    eng.target.set_shapes(ShapePolicy(step=16))
+    assert eng.target.shapes is None and "differ" in eng.target.shapes_refused
+    eng.target.model.set_dtype(mx.float32)  # fp32 keeps the strict bound
+    monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(5e-3))
+    eng.target.set_shapes(ShapePolicy(step=16))
+    assert eng.target.shapes is None and "float32" in eng.target.shapes_refused
+
+
 @pytest.mark.parametrize("kind", ["lookup", "dspark"])
 def test_padded_verifies_are_lossless_and_use_ladder_widths_only(kind, tmp_path):
     from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write

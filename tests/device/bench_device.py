@@ -107,7 +107,8 @@ def storm(model: str, dtype: str, new_tokens: int, prompt: str) -> dict:
 
     t0 = time.time()
     eng = load(model, dtype=dtype)
-    out = {"load_s": round(time.time() - t0, 2), "shapes": str(eng.target.shapes), "modes": {}}
+    out = {"load_s": round(time.time() - t0, 2), "shapes": str(eng.target.shapes),
+           "shapes_refused": eng.target.shapes_refused, "modes": {}}
     for mode, cap in STORM_MODES:
         runs = []
         for _ in range(3):
@@ -216,6 +217,7 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
     eng = load(args.target, dtype=dtype, draft_model=args.draft)  # converts the GGUF on first use (cached)
     out["target_load_s"] = round(time.time() - t0, 1)
     out["target_shapes"] = str(eng.target.shapes)
+    out["target_shapes_refused"] = eng.target.shapes_refused
     out["target_precision"] = model_precision(eng.model)
     t0 = time.time()
     drafter = eng.drafter("draft")  # converts + loads the 0.5B, refuses a different tokenizer
@@ -299,7 +301,9 @@ def random8b_part(args, bits: int | None, deadline: float) -> dict:
     shape = TINY if args.tiny else QWEN3_8B
     t0 = time.time()
     eng = random_target(shape, bits)
-    out: dict = {"build_s": round(time.time() - t0, 1), "shapes": str(eng.target.shapes)}
+    out: dict = {"build_s": round(time.time() - t0, 1), "shapes": str(eng.target.shapes),
+                 "shapes_refused": eng.target.shapes_refused}
+    log(f"shapes: {out['shapes']}" + (f" (refused: {out['shapes_refused']})" if out["shapes_refused"] else ""))
     vocab = shape["vocab_size"]
     key = mx.random.key(1)
     block = mx.random.randint(10, vocab, (96,), key=key).tolist()
