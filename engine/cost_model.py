@@ -322,10 +322,11 @@ class CapController:
       plain steps' time, counted across requests: a probe's loss (its time, plus the drafter's
       catch-up before it, beyond what its tokens cost as plain steps) sets the fewest steps
       between two (a draft model that feeds its whole backlog to make one costly round is
-      probed once in several short answers, not at each one's start). It unparks when a probe whose drafts all held beats a plain step's rate, when the
-      probes lately do, or when the model does after a probe stopped only by its cap with every
-      draft accepted (a capped probe undervalues long drafts; a rejected or self-cut one
-      outweighs curves that may promise too much).
+      probed once in several short answers, not at each one's start). It unparks when a probe
+      whose drafts all held beats a plain step's rate, when the probes lately do, or when the
+      model does after a probe stopped only by its cap with every draft accepted (a capped
+      probe undervalues long drafts; a rejected or self-cut one outweighs curves that may
+      promise too much).
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.

@@ -2,10 +2,11 @@
 
 The classic two-model setup (e.g. Qwen2.5-Coder-0.5B drafting for 1.5B). The draft model keeps
 its own cache of committed tokens; each proposal feeds what it has not seen yet and then runs
-``cap`` steps. Nothing is fed before the first proposal: a request that ``--max-draft auto``
-keeps parked never pays the draft model's prefill. A long backlog (the prompt, a parked run)
-is fed by ``catch_up`` before the round, so the round is timed on its own. Its drafts stay on the device as a lazy graph, so the target's verify
-forward is queued behind them without a host round trip.
+``cap`` steps. Its drafts stay on the device as a lazy graph, so the target's verify forward is
+queued behind them without a host round trip. Nothing is fed before the first proposal: a
+request that ``--max-draft auto`` keeps parked never pays the draft model's prefill. A long
+backlog (the prompt, a parked run) is fed by ``catch_up`` before the round, so the round is
+timed on its own.
 
 The draft steps write their rows into the draft model's cache. At the next proposal the rows of
 rejected drafts go: full-attention caches trim them (checked); a draft model with sliding

@@ -1,7 +1,8 @@
 """Read a benchmark report's run traces (``run_benchmark(..., trace=True)``, as
 ``tests/device/bench_device.py`` writes them) and say where ``--max-draft auto`` spent its time.
 
-    python3 tests/device/auto_runs.py tests/device/results/h200-auto-starter-bfloat16.json
+    python3 tests/device/auto_runs.py tests/device/results/h200-auto3-starter-bfloat16.json
+    python3 tests/device/auto_runs.py tests/device/results/h200-pair3-bfloat16.json
 
 Per arm and class, four estimates of the ratio to plain decoding, from noisiest to least:
 
@@ -37,7 +38,8 @@ def plain_step_ms(rows: list) -> float | None:
 
 def main(path: str) -> None:
     data = json.load(open(path))
-    report = data.get("starter", {}).get("benchmark", data)
+    part = next((data[k] for k in ("starter", "pair") if isinstance(data.get(k), dict)), {})
+    report = part.get("benchmark", data)  # bench_device.py's starter or pair part, or a bare report
     runs, prompts = report["runs"], report["prompts"]
     classes = list(dict.fromkeys(p["class"] for p in prompts))
     trials = len(runs["baseline"])
