@@ -1,7 +1,8 @@
 """The benchmark behind ``tandem benchmark``: modes side by side on chat, code and math prompts.
 
-Every (mode, cap) arm runs on every prompt in every trial, arms interleaved and rotated, so a
-busy machine slows all arms alike instead of whichever ran during the burst. Reported per arm:
+Every (mode, cap) arm runs on every prompt in every trial, arms interleaved and rotated (and
+reversed every other trial: ``arm_order``), so a busy machine slows all arms alike instead of
+whichever ran during the burst. Reported per arm:
 decode tok/s (median over trials of total tokens / total decode seconds), its ratio to baseline
 (median of per-trial ratios), committed tokens per verify round, the share of the memory
 roofline, and the lossless check: every arm's tokens must equal baseline's. A divergence is
@@ -77,6 +78,16 @@ def parse_caps(text: str | None) -> list[int | str | None]:
             except ValueError:
                 raise TandemError(f"--max-draft takes integers or 'auto', comma-separated; got '{part}'")
     return caps
+
+
+def arm_order(n_arms: int, trial: int, prompt: int, n_prompts: int) -> list[int]:
+    """The order the arms run in on one prompt of one trial: rotated, so each arm takes every
+    position in turn, and reversed on odd trials, so no arm always runs right after the same
+    one (a heavy arm's after-effects on the allocator or the device clocks would otherwise land
+    on one neighbour every time)."""
+    shift = (trial * n_prompts + prompt) % n_arms
+    order = list(range(shift, n_arms)) + list(range(shift))
+    return order[::-1] if trial % 2 else order
 
 
 # ===================================================================== the lossless check
@@ -235,8 +246,7 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
                                                          for a in arms}
     for trial in range(trials):
         for j, ids in enumerate(encoded):
-            shift = (trial * len(prompts) + j) % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
+            for arm in (arms[i] for i in arm_order(len(arms), trial, j, len(prompts))):
                 r = gen(arm, ids, max_new_tokens)
                 results[arm.name][trial][j] = r
                 tick(f"{arm.name} {r.decode_tps:.1f} tok/s")

@@ -233,3 +233,15 @@ def test_near_tie_tolerance_follows_the_logit_precision():
     assert not is_near_tie(3.0, 2.9, mx.bfloat16)
     assert not is_near_tie(3.0, 3.0 - 2 ** -6, mx.float32)  # in float32 that gap is real
     assert is_near_tie(3.0, 3.0 - 1e-4, mx.float32)
+
+
+def test_arms_take_every_position_and_more_than_one_predecessor():
+    """Five arms on nine prompts over two trials (the device runs): each arm runs in every position
+    and after several different arms, never always behind the same heavy neighbour."""
+    n_arms, n_prompts = 5, 9
+    orders = [B.arm_order(n_arms, t, j, n_prompts) for t in range(2) for j in range(n_prompts)]
+    assert all(sorted(o) == list(range(n_arms)) for o in orders)  # every arm once per prompt
+    for arm in range(n_arms):
+        assert {o.index(arm) for o in orders} == set(range(n_arms))
+        before = {o[o.index(arm) - 1] for o in orders if o.index(arm) > 0}
+        assert len(before) >= 2

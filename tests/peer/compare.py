@@ -5,7 +5,8 @@ the same float32 model on the same prompts, greedy, the same token budget.
 
 The peer runs in its own virtualenv (``--peer-python``, default /work/peer-venv/bin/python) as a
 worker process (``peer_worker.py``) that waits while Tandem runs, so every (engine, mode) arm runs
-on every prompt in every trial, interleaved and rotated: a busy machine slows all arms alike.
+on every prompt in every trial, interleaved and rotated (``tandem benchmark``'s ``arm_order``): a
+busy machine slows all arms alike.
 
 Both engines load one float32 mlx-lm folder, converted once from the starter GGUF (Tandem's
 conversion cache, dense float32) into ``<tandem cache>/peer/smollm2-135m-fp32``; the peer loads
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     import engine  # noqa: F401  (OpenBLAS preload first)
     from engine import platform
     from engine.api import load
+    from engine.benchmark import arm_order
     from engine.calibrate import calibrate
 
     folder = model_folder(args.gguf, args.dtype)
@@ -268,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for trial in range(args.trials):
         for j, (_, ids) in enumerate(work):
-            shift = (trial * len(work) + j) % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
+            for arm in (arms[i] for i in arm_order(len(arms), trial, j, len(work))):
                 arm.runs[trial][j] = run(arm, ids, args.max_new_tokens)
         print(f"trial {trial + 1}/{args.trials} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     peer.close()
