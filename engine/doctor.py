@@ -87,9 +87,18 @@ def _rollback_row() -> str:
             f"recurrent state (Qwen3.5, Nemotron-H, LFM2...) to the accepted tokens")
 
 
+def _shapes_row(target) -> str:
+    if target.shapes is not None:
+        return (f"stable: KV buffers in steps of {target.shapes.step} rows, verifies padded to "
+                f"{'/'.join(map(str, target.shapes.widths))} (a backend compiling per shape builds each once)")
+    if target.shapes_refused:
+        return f"exact, the stable-shape policy refused: {target.shapes_refused} (expect compiles on a GPU)"
+    return "exact (this backend compiles nothing per shape; TANDEM_STABLE_SHAPES=1 forces the policy)"
+
+
 def model_rows(engine) -> list[tuple[str, str]]:
     """What a loaded model's caches are, and which modes it runs (or why not)."""
-    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches())]
+    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches()), ("Shapes", _shapes_row(engine.target))]
     if engine.kv_bits:
         rows.append(("KV bits", str(engine.kv_bits)))
     rows += [("Note", note) for note in engine.notes]

@@ -421,12 +421,16 @@ def test_a_low_precision_target_keeps_stable_shapes_within_its_rounding(monkeypa
             return out.astype(mx.float32) + share * mx.abs(out.astype(mx.float32)).max()
         return logits
 
+    from engine.doctor import model_rows
+
     monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(5e-3))
     eng.target.set_shapes(ShapePolicy(step=16))
     assert eng.target.shapes == ShapePolicy(step=16) and eng.target.shapes_refused == ""
+    assert dict(model_rows(eng))["Shapes"].startswith("stable: KV buffers in steps of 16 rows")
     monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(0.1))
     eng.target.set_shapes(ShapePolicy(step=16))
     assert eng.target.shapes is None and "differ" in eng.target.shapes_refused
+    assert "refused: a padded verify's logits differ" in dict(model_rows(eng))["Shapes"]  # `tandem doctor` says so
     eng.target.model.set_dtype(mx.float32)  # fp32 keeps the strict bound
     monkeypatch.setattr(Target, "_two_step_logits", stable_off_by(5e-3))
     eng.target.set_shapes(ShapePolicy(step=16))
