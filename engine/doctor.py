@@ -93,6 +93,10 @@ def _shapes_row(target) -> str:
                 f"{'/'.join(map(str, target.shapes.widths))} (a backend compiling per shape builds each once)")
     if target.shapes_refused:
         return f"exact, the stable-shape policy refused: {target.shapes_refused} (expect compiles on a GPU)"
+    from engine.shapes import default_policy
+
+    if default_policy() is not None:
+        return "exact: no plain KV cache to stabilize (sliding windows or recurrent state)"
     return "exact (this backend compiles nothing per shape; TANDEM_STABLE_SHAPES=1 forces the policy)"
 
 
