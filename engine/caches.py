@@ -176,6 +176,20 @@ def snapshot(cache: list) -> list:
     return [_handles(c.state) for c in leaves(cache)]
 
 
+def compact_snapshot(cache: list) -> list:
+    """``snapshot`` for keeping: a full-attention layer's state cut to the rows it holds (a copy).
+    Its live buffer has spare rows past the offset (mlx-lm grows by 256, a ``StableKVCache`` by
+    1024 on CUDA), which a kept entry would otherwise hold for nothing; ``restore`` grows the
+    buffer again on the next write."""
+    out = []
+    for c, state in zip(leaves(cache), snapshot(cache)):
+        if type(c) in (KVCache, StableKVCache) and c.keys is not None and c.keys.shape[2] > c.offset:
+            keys, values, offset = state
+            state = (mx.contiguous(keys[..., :offset, :]), mx.contiguous(values[..., :offset, :]), offset)
+        out.append(state)
+    return out
+
+
 def restore(cache: list, snap: list) -> None:
     """Put a ``snapshot`` back into the same cache list (it can be restored again later)."""
     parts = leaves(cache)

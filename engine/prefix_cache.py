@@ -329,7 +329,7 @@ class PrefixCache:
         if sizes - {n}:
             log.warning("prefix cache: caches hold %s tokens, expected %d; not kept", sorted(sizes), n)
             return None
-        final = caches.snapshot(cache)
+        final = caches.compact_snapshot(cache)
         mx.eval(arrays_of(final))
         classes = layer_classes(cache)
         entry = Entry(list(stats.ids[:n]), classes, [floor(k, s, n) for k, s in zip(classes, final)], final)

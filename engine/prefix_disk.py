@@ -76,14 +76,6 @@ def _rebuild(skeleton: Any, arrays: dict[str, mx.array]) -> Any:
     return skeleton
 
 
-def _compact(cls: str, state: Any) -> Any:
-    """A KV cache's state without the unused rows past its offset (its buffer grows in steps)."""
-    if cls in ("KVCache", "StableKVCache") and state[0] is not None:
-        keys, values, offset = state
-        return [keys[..., :offset, :], values[..., :offset, :], offset]
-    return state
-
-
 def encode_tokens(tokens: Sequence[int]) -> str:
     return base64.b64encode(array("I", tokens).tobytes()).decode()
 
@@ -100,7 +92,7 @@ def token_hash(tokens: Sequence[int]) -> str:
 
 def pack(entry: "Entry", identity: str) -> tuple[dict[str, mx.array], dict[str, str]]:
     arrays: dict[str, mx.array] = {}
-    final = [_skeleton(_compact(c, s), f"final.{i}", arrays) for i, (c, s) in enumerate(zip(entry.classes, entry.final))]
+    final = [_skeleton(s, f"final.{i}", arrays) for i, s in enumerate(entry.final)]  # rows only (compact_snapshot)
     marks = {str(p): {str(i): _skeleton(s, f"mark.{p}.{i}", arrays) for i, s in layers.items()}
              for p, layers in entry.marks.items()}
     logits = {str(p): _skeleton(row, f"logits.{p}", arrays) for p, row in entry.logits.items()}

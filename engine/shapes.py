@@ -126,6 +126,16 @@ class StableKVCache(KVCache):
             new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
         self.keys, self.values = new_k, new_v
 
+    @property
+    def state(self) -> Any:
+        return KVCache.state.fget(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        KVCache.state.fset(self, value)
+        if self.keys is not None and self.keys.shape[2] % self.step:  # a kept state cut to its rows
+            self._grow(self.offset, self.keys, self.values)
+
     def reserve(self, rows: int, like: tuple[mx.array, mx.array]) -> None:
         """Grow to hold ``rows`` now (the warm-up builds kernels for later capacities)."""
         if self.keys is None or rows > self.keys.shape[2]:

@@ -444,7 +444,7 @@ def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
 
 def test_stable_shape_caches_are_cut_back_like_plain_ones(tmp_path):
     """Under the CUDA shape policy (StableKVCache buffers in steps), a stored prompt is trimmable back
-    to any prefix like mlx-lm's KVCache (no per-layer snapshots), the disk tier stores its rows only,
+    to any prefix like mlx-lm's KVCache (no per-layer snapshots), it keeps its rows only,
     and a later prompt that diverges inside it is served from it with the same greedy tokens."""
     from engine.shapes import ShapePolicy
 
@@ -454,9 +454,31 @@ def test_stable_shape_caches_are_cut_back_like_plain_ones(tmp_path):
     engine.generate(p1, mode="baseline", max_new_tokens=6)
     entry = next(engine.prefix_cache.entries())
     assert set(entry.classes) == {"StableKVCache"} and set(entry.floors) == {0} and not entry.marks
-    keys = prefix_disk._compact("StableKVCache", entry.final[0])[0]
-    assert keys.shape[2] == entry.final[0][2] < entry.final[0][0].shape[2]  # the rows, not the buffer
+    assert entry.final[0][0].shape[2] == entry.final[0][2] == len(entry.tokens) < 64  # the rows, not the 64-row buffer
     p2 = p1[:30] + user(41, 12)
     warm = engine.generate(p2, mode="baseline", max_new_tokens=10)
     assert warm.cached_tokens == 30
     assert warm.token_ids == engine.generate(p2, mode="baseline", max_new_tokens=10, prefix_cache=False).token_ids
+
+
+def test_an_entry_under_stable_shapes_keeps_only_its_rows():
+    """On CUDA the target's K/V buffers grow 1024 rows at a time (engine/shapes.py): a kept
+    prefix holds the rows it covers, not the spare ones (they cost 6-15x the memory of a short
+    chat), and resumes into a buffer of the policy's shape with the same output."""
+    from engine.shapes import ShapePolicy, StableKVCache
+
+    plain, stable = make_tiny_engine("llama", seed=6), make_tiny_engine("llama", seed=6)
+    stable.target.set_shapes(ShapePolicy(step=1024))
+    draft = make_tiny_model("llama", seed=9)
+    plain.set_drafter("draft", DraftModelDrafter(draft, max_draft=3))
+    stable.set_drafter("draft", DraftModelDrafter(draft, max_draft=3, shapes=stable.target.shapes))
+    p1 = user(30, 40)
+    turns = []
+    for eng in (plain, stable):
+        r1 = eng.generate(p1, mode="draft", max_new_tokens=8)
+        r2 = eng.generate(p1 + r1.token_ids + [EOS] + user(31, 6), mode="draft", max_new_tokens=8)
+        assert r2.cached_tokens >= len(p1)
+        turns.append((r1.token_ids, r2.token_ids))
+    assert turns[0] == turns[1]
+    assert isinstance(stable.target.new_cache()[0], StableKVCache)
+    assert stable.prefix_cache.nbytes <= 1.2 * plain.prefix_cache.nbytes  # was ~6x: 1024-row buffers

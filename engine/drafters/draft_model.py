@@ -132,7 +132,7 @@ class DraftModelDrafter(Drafter):
     def state(self) -> DrafterState | None:
         if not self._cache or not self._cached or self._uncommitted.size:
             return None
-        return DrafterState(len(self._cached), {"cache": caches.snapshot(self._cache),
+        return DrafterState(len(self._cached), {"cache": caches.compact_snapshot(self._cache),
                                                 "ids": mx.array(self._cached, dtype=mx.uint32)})
 
     def resume(self, prompt_ids: Sequence[int], cached: int, state: DrafterState | None,
