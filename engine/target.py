@@ -231,8 +231,7 @@ class Target:
             return
         # bf16/fp16: attention over the whole masked buffer rounds differently from the sliced
         # one (another reduction order), by about an ulp of the logits; fp32 must agree closely.
-        tolerance = PROBE_TOLERANCE if want.dtype == mx.float32 else LOW_PRECISION_TOLERANCE
-        if _close(got, want, tolerance):
+        if _close(got, want, _tolerance(want)):
             self.shapes = policy
         else:
             diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
@@ -402,7 +401,7 @@ class Target:
         nxt = mx.array([[ids[8]]])
         got, want = self.forward(nxt, cache)[0], self.forward(nxt, clean)[0]
         mx.eval(got, want)
-        tolerance = PROBE_TOLERANCE if want.dtype == mx.float32 else LOW_PRECISION_TOLERANCE
+        tolerance = _tolerance(want)
         if not _close(got, want, tolerance):
             return f"next logits differ by {mx.abs(got - want).max().item():.3g}"
         for a, b in zip(caches.leaves(cache), caches.leaves(clean)):
@@ -433,6 +432,11 @@ def verify_tap(target: Target, probe: mx.array, reference: mx.array) -> None:
         i = target.tap_layers.index(FINAL)
         if not _close(target.head(hidden[:, i * h : (i + 1) * h])[None], reference):
             raise TandemError(f"hidden-state tap refused for {target.name}: its final norm's output is not its lm_head input")
+
+
+def _tolerance(reference: mx.array) -> float:
+    """How close a probe must come to ``reference``: fp32 closely, bf16/fp16 within their rounding."""
+    return PROBE_TOLERANCE if reference.dtype == mx.float32 else LOW_PRECISION_TOLERANCE
 
 
 def _close(a: mx.array, b: mx.array, tolerance: float = PROBE_TOLERANCE, relative: bool = False) -> bool:

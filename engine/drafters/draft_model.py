@@ -118,16 +118,18 @@ class DraftModelDrafter(Drafter):
     def catch_up(self, ids: Sequence[int]) -> int:
         """Feed, now, the committed tokens before the anchor that the cache lacks, when they are
         many (the prompt, a parked run): the loop times this apart from the round."""
-        return self._feed_backlog(ids, CATCH_UP_MIN)
-
-    def _feed_backlog(self, ids: Sequence[int], least: int) -> int:
         if not self._cache:
             return 0
-        backlog = self._sync(ids)[:-1]
+        return self._feed_backlog(self._sync(ids), CATCH_UP_MIN)[0]
+
+    def _feed_backlog(self, pending: list[int], least: int) -> tuple[int, list[int]]:
+        """Feed every pending token but the anchor now when they are ``least`` or more:
+        (tokens fed, tokens still to feed)."""
+        backlog = pending[:-1]
         if len(backlog) < least:
-            return 0
+            return 0, pending
         self._feed(backlog)
-        return len(backlog)
+        return len(backlog), pending[-1:]
 
     def state(self) -> DrafterState | None:
         if not self._cache or not self._cached or self._uncommitted.size:
@@ -175,8 +177,8 @@ class DraftModelDrafter(Drafter):
         cap = min(cap, self.max_draft)
         if cap <= 0:
             return None
-        self._feed_backlog(ids, FEED_CHUNK)  # a backlog nobody caught up: bounded chunks, not one graph
-        pending = self._sync(ids)
+        # A backlog nobody caught up goes in bounded chunks, not one graph.
+        _, pending = self._feed_backlog(self._sync(ids), FEED_CHUNK)
         if not self._trims:
             self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)
         logits = self._forward(pending)
