@@ -174,6 +174,50 @@ def test_resume_continues_from_the_last_checkpoint(tiny, tmp_path):
     assert all(mx.allclose(a[k], b[k], atol=1e-6).item() for k in a)
 
 
+def test_init_from_an_exported_drafter_continues_from_its_weights(tiny, tmp_path):
+    eng, exs = tiny
+    first = Trainer(eng, exs, exs[:8], tmp_path / "a", small_config(steps=20))
+    first.fit()
+    trained = first.evaluate()["val_loss"]
+    fresh = Trainer(eng, exs, exs[:8], tmp_path / "fresh", small_config(steps=20)).evaluate()["val_loss"]
+    # another block size on the command line: the drafter's own (4) wins, batches are cut for it
+    more = Trainer(eng, exs, exs[:8], tmp_path / "b", small_config(steps=10, block_size=6, init_from=str(first.export_dir)))
+    assert more.cfg.block_size == 4 and more.model.cfg.block_size == 4
+    assert more.state.step == 0  # a fresh schedule and optimizer
+    assert more.evaluate()["val_loss"] == pytest.approx(trained, rel=1e-5) and trained < 0.9 * fresh
+    more.fit()
+    assert more.evaluate()["val_loss"] < trained
+
+
+def test_init_from_refuses_a_drafter_of_another_target(tiny, tmp_path):
+    eng, exs = tiny
+    other = make_tiny_engine("llama", seed=1, layers=6, hidden=96)
+    t = Trainer(other, exs, [], tmp_path / "other", small_config(steps=1))
+    t.fit()
+    from engine.errors import TandemError
+
+    with pytest.raises(TandemError, match="hidden_size 96 does not match the target's"):
+        Trainer(eng, exs, [], tmp_path / "b", small_config(init_from=str(t.export_dir)))
+    with pytest.raises(TandemError, match="not found"):
+        Trainer(eng, exs, [], tmp_path / "c", small_config(init_from=str(tmp_path / "nowhere")))
+
+
+def test_self_prompt_openings_come_from_a_name_or_a_file(tmp_path):
+    from engine.errors import TandemError
+    from engine.train.data import BUILTIN_OPENINGS, self_prompt_openings
+
+    assert self_prompt_openings("none") == [""] and self_prompt_openings("builtin") == list(BUILTIN_OPENINGS)
+    assert any("Python" in o for o in BUILTIN_OPENINGS) and "" in BUILTIN_OPENINGS
+    f = tmp_path / "o.txt"
+    f.write_text("Write code\\n```python\\n\n\nExplain\n", encoding="utf-8")
+    assert self_prompt_openings(str(f)) == ["Write code\n```python\n", "", "Explain"]
+    with pytest.raises(TandemError, match="not 'none', 'builtin' or a text file"):
+        self_prompt_openings(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(TandemError, match="is empty"):
+        self_prompt_openings(str(tmp_path / "empty.txt"))
+
+
 def test_examples_file_roundtrip(tmp_path):
     exs = [Example("gsm8k", [1, 2], [3, 0]), Example("mt-bench", [4], [])]
     for name in ("x.jsonl", "x.jsonl.gz"):
@@ -192,17 +236,30 @@ def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch):
     write_tiny_gguf(gguf, "llama")
     for name, n in (("gsm8k", 6), ("mt-bench", 2)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"turns": [f"the low {i} is a"]}) + "\n" for i in range(n)))
+    openings = tmp_path / "openings.txt"
+    openings.write_text("the low\n\na\\nb\n")
     out = tmp_path / "run"
     argv = ["train-drafter", "--model", str(gguf), "--out", str(out), "--data", str(tmp_path / "gsm8k.jsonl"),
             "--eval-data", str(tmp_path / "mt-bench.jsonl"), "--max-new-tokens", "16", "--tap-layers", "0",
             "--layers", "1", "--block-size", "3", "--markov-rank", "4", "--intermediate-size", "0", "--steps", "3",
             "--batch-seqs", "2", "--anchors", "4", "--report-prompts", "1", "--report-max-new-tokens", "8",
-            "--benchmark-trials", "0", "--self-prompts", "3", "--samples-per-prompt", "1",
-            "--mirror", str(tmp_path / "mirror")]
+            "--benchmark-trials", "0", "--self-prompts", "8", "--samples-per-prompt", "1",
+            "--self-prompt-openings", str(openings), "--mirror", str(tmp_path / "mirror")]
     assert main(argv) == 0
     assert len(load_examples(out / "data" / "train.jsonl.gz")) == 6
     extra = load_examples(out / "data" / "extra.jsonl.gz")  # 6 sampled answers + the self-prompted ones
     assert sum(e.source == "gsm8k" for e in extra) == 6 and all(e.answer for e in extra)
+    # self-prompts start, in turn, from the openings file's lines (one of them left to the target)
+    from engine.loading import load_model
+    from engine.train.pipeline import chat_frame
+
+    tok = load_model(str(gguf)).tokenizer
+    before, _ = chat_frame(tok)
+    opened = [tok.encode(o, add_special_tokens=False) for o in ("the low", "a\nb")]
+    starts = [next((k for k, o in enumerate(opened) if e.prompt[len(before):len(before) + len(o)] == o), None)
+              for e in extra if e.source == "self"]
+    assert all(e.prompt[:len(before)] == before for e in extra if e.source == "self")
+    assert {0, 1} <= set(starts), starts  # seeded: 4 of the 8 turns end in time, both openings among them
     report = json.loads((out / "report.json").read_text())
     assert report["acceptance"]["identical_to_baseline"] is True
     assert report["acceptance"]["tokens_per_round"]["chat"] >= 1.0

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--self-prompts", type=int, default=0,
                    help="also train on N user turns sampled from the target itself, answered greedily")
     g.add_argument("--self-prompt-tokens", type=int, default=96, help="longest self-generated user turn")
+    g.add_argument("--self-prompt-openings", default="none", metavar="none|builtin|FILE",
+                   help="start self-prompts from these openings in turn (builtin: code- and chat-heavy requests; "
+                        "FILE: one opening per line); none: the target writes the whole turn")
     g.add_argument("--samples-per-prompt", type=int, default=0,
                    help="also train on this many sampled answers per training prompt")
     g.add_argument("--sample-temperature", type=float, default=0.7)
@@ -39,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tap-layers", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="comma-separated target layer ids (default: 5 evenly spaced from 1 to N-3)")
     g.add_argument("--mask-token-id", type=int, default=None)
+    g.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this exported DSpark drafter (folder or resources:...): its architecture and "
+                        "weights, a fresh optimizer; e.g. more training on new answers for the shipped drafter")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d.steps}, or what --time-limit allows)")
     g.add_argument("--batch-seqs", type=int, default=d.batch_seqs)

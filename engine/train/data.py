@@ -209,6 +209,41 @@ def decode_batch(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens
     return result
 
 
+# Openings the target continues into its own user turns (``--self-prompt-openings builtin``):
+# code-heavy and chat-heavy requests, the classes a starter drafter meets most; "" leaves the
+# turn entirely to the target.
+BUILTIN_OPENINGS = (
+    "",
+    "Write a Python function that", "Fix the bug in this Python code:\n```python\n", "Write a JavaScript function to",
+    "Explain what this code does:\n```python\n", "Write a SQL query that", "Implement a Python class that",
+    "Write a bash script that", "How do I read a file in", "Write unit tests for",
+    "Can you explain", "What are the pros and cons of", "Write a short story about", "Give me some tips for",
+    "Write an email to", "What is the difference between", "Summarize the following text:\n",
+    "Solve step by step:", "How can I improve",
+)
+
+
+def self_prompt_openings(spec: str | None) -> list[str]:
+    """The openings self-prompts start from: ``none`` (the target writes the whole turn),
+    ``builtin`` (``BUILTIN_OPENINGS``), or a UTF-8 text file with one opening per line
+    (``\\n`` in a line stands for a newline; a blank line is a turn left to the target)."""
+    if spec in (None, "", "none"):
+        return [""]
+    if spec == "builtin":
+        return list(BUILTIN_OPENINGS)
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise TandemError(f"--self-prompt-openings: {spec} is not 'none', 'builtin' or a text file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise TandemError(f"--self-prompt-openings: cannot read {path} ({type(e).__name__})") from None
+    openings = [line.replace("\\n", "\n") for line in lines]
+    if not openings:
+        raise TandemError(f"--self-prompt-openings: {path} is empty")
+    return openings
+
+
 def decode_all(model: Any, prompts: Sequence[Sequence[int]], *, batch_size: int, deadline: float | None = None,
                progress: Callable[[int, int, int], None] | None = None, **kw: Any) -> list[list[int] | None]:
     """``decode_batch`` over many prompts in length-sorted waves; None for prompts a

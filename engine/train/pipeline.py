@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 from engine.errors import TandemError
 from engine.train.config import TrainConfig
-from engine.train.data import Example, content_class, encode_prompts, load_examples, save_examples
+from engine.train.data import (Example, content_class, encode_prompts, load_examples, save_examples,
+                               self_prompt_openings)
 from engine.train.trainer import Trainer, acceptance_report
 
 STAGES = ("encode", "generate", "train", "report")
@@ -136,7 +137,7 @@ def chat_frame(tokenizer: Any) -> tuple[list[int], list[int]] | None:
 def generate_stage(engine: Any, args: argparse.Namespace, data: Path, log: Callable[[str], None]) -> None:
     """Greedy answers to the training and held-out prompts, then, time permitting, the extras:
     ``--self-prompts`` user turns sampled from the target itself (its chat frame, temperature
-    1) and answered greedily, and ``--samples-per-prompt`` answers sampled at
+    1; each started with one of ``--self-prompt-openings`` in turn) and answered greedily, and ``--samples-per-prompt`` answers sampled at
     ``--sample-temperature`` to the training prompts. All of it is the target's own text."""
     from engine.train.data import decode_all
 
@@ -178,8 +179,12 @@ def generate_stage(engine: Any, args: argparse.Namespace, data: Path, log: Calla
         log("self-prompts skipped: the target has no chat template")
     elif args.self_prompts:
         before, after = frame
-        queries = answer([before] * args.self_prompts, "self-prompts", temperature=1.0, max_new=args.self_prompt_tokens, seed=1)
-        prompts = [before + q[:-1] + after for q in queries if q and q[-1] in eos and len(q) > 3]
+        enc = getattr(engine.tokenizer, "_tokenizer", engine.tokenizer)
+        openings = [before + list(enc.encode(o, add_special_tokens=False)) if o else before
+                    for o in self_prompt_openings(getattr(args, "self_prompt_openings", "none"))]
+        heads = [openings[i % len(openings)] for i in range(args.self_prompts)]
+        queries = answer(heads, "self-prompts", temperature=1.0, max_new=args.self_prompt_tokens, seed=1)
+        prompts = [h + q[:-1] + after for h, q in zip(heads, queries) if q and q[-1] in eos and len(q) > 3]
         for p, ans in zip(prompts, answer(prompts, "self-prompt answers", seed=2)):
             if ans:
                 extra.append(Example("self", p, ans))

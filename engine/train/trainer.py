@@ -82,6 +82,53 @@ def new_drafter(engine: Any, cfg: TrainConfig):
     return model
 
 
+def drafter_from_folder(engine: Any, spec: str):
+    """An exported DSpark drafter (a folder, ``resources:...``) as a float32 model to train
+    further: its own architecture and tap layers, the target's embedding/head, frozen."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engine.drafters import block, checkpoint
+
+    path = checkpoint.resolve_drafter_path(spec)
+    config = checkpoint.read_config(path)
+    if config.get("block_size") is None or "Qwen3DSparkModel" not in (config.get("architectures") or []):
+        raise TandemError(f"--init-from {spec}: not a DSpark drafter (train-drafter continues DSpark checkpoints only)")
+    target = target_config_of(engine)
+    for key in ("hidden_size", "vocab_size"):
+        if config.get(key) != target[key]:
+            raise TandemError(f"--init-from {spec}: drafter {key} {config.get(key)} does not match the target's {target[key]}")
+    taps = config.get("target_layer_ids") or []
+    if not taps or max(taps) >= engine.target.num_layers:
+        raise TandemError(f"--init-from {spec}: tap layers {taps} do not fit the target's {engine.target.num_layers} layers")
+    config = {k: v for k, v in config.items() if k not in ("tandem", "torch_dtype")}
+    model = block.DSparkModel(block.parse_config(config, f"drafter {path}"))
+    checkpoint.copy_target_embeddings(model, engine.target)
+    weights = mx.load(str(path / "model.safetensors"))
+    own = dict(tree_flatten(model.parameters()))
+    weights = {k: v.astype(mx.float32) for k, v in weights.items() if k in own}
+    missing = sorted(set(own) - set(weights) - set(checkpoint.TARGET_EMBEDDING_KEYS))
+    if missing:
+        raise TandemError(f"--init-from {spec}: model.safetensors lacks {', '.join(missing[:3])}"
+                          + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    wrong = [k for k, v in weights.items() if tuple(v.shape) != tuple(own[k].shape)]
+    if wrong:
+        raise TandemError(f"--init-from {spec}: {wrong[0]} is {list(weights[wrong[0]].shape)}, "
+                          f"the config says {list(own[wrong[0]].shape)}")
+    model.load_weights(list(weights.items()), strict=False)
+    model.config = config
+    freeze_target_parts(model)
+    return model
+
+
+def adopt_architecture(cfg: TrainConfig, config: dict) -> None:
+    """A resumed or continued drafter keeps its own shape: batches must be cut for its block
+    size, not for the command line's defaults."""
+    cfg.layers = int(config.get("num_hidden_layers", cfg.layers))
+    cfg.block_size = int(config.get("block_size", cfg.block_size))
+    cfg.markov_rank = int(config.get("markov_rank", cfg.markov_rank))
+
+
 def freeze_target_parts(model: Any) -> None:
     model.embed_tokens.freeze()
     if hasattr(model, "lm_head"):
@@ -128,8 +175,12 @@ class Trainer:
             old.rename(self.ckpt)
         if (self.ckpt / "state.json").is_file():
             self.model = self._load_checkpoint()
+        elif cfg.init_from:
+            self.model = drafter_from_folder(engine, cfg.init_from)
+            log(f"starting from the drafter in {cfg.init_from} (its weights, a fresh optimizer and schedule)")
         else:
             self.model = new_drafter(engine, cfg)
+        adopt_architecture(cfg, self.model.config)
         self.taps = list(self.model.config["target_layer_ids"])
         self.mask_token_id = int(self.model.config["mask_token_id"])
         self.target.set_taps(self.taps)

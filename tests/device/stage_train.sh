@@ -17,6 +17,12 @@
 #   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate the answers; ~9 min)
 #   call 4: carry [".devC"]  command: bash .devC/train.sh    (train; ~9.5 min)
 #   call 5 (optional, warm): carry [".devC"]  command: RUN_SECONDS=... bash .devC/extend.sh   (more training)
+#
+# AFTER_BENCH=1: the same warm hold as a starter benchmark staged by tests/device/stage_bench.sh
+# (PARTS=starter), whose calls already installed the wheels into /root/site and unpacked the
+# GGUF into /root/work: only .devC travels (calls 3-5). Generation knobs: SELF_PROMPTS, SAMPLES,
+# OPENINGS (--self-prompt-openings: none, builtin), SEED; INIT_FROM (--init-from, e.g.
+# resources:drafters/smollm2-135m-dspark) trains the shipped drafter further on the new answers.
 # Results land in $OUT: drafter-model.safetensors (in 15 MB parts when larger), drafter-config.json,
 # drafter-draft_vocab.json, train.log, log.jsonl,
 # train.jsonl.gz / eval.jsonl.gz (the answers) and run.log.
@@ -32,15 +38,18 @@ MARGIN=1500000   # room for files others add to the tree before the calls
 for d in /.devA/ /.devB/ /.devC/ /.stage-cache/; do
   grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done
-bash "$root/../shared/device/stage-mlx-cuda.sh" >/dev/null
+after_bench=${AFTER_BENCH:-0}
+[ "$after_bench" = 1 ] || bash "$root/../shared/device/stage-mlx-cuda.sh" >/dev/null
 rm -rf .devC && mkdir -p .devC .stage-cache
 
 # The gguf wheel and the compressed starter GGUF (cached between stagings).
-ls .stage-cache/gguf-*.whl >/dev/null 2>&1 || \
-  python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache "gguf==$GGUF_VERSION"
-cp .stage-cache/gguf-*.whl .devB/
 gguf=$("$PY" -c "import engine; from engine import starter; print(starter.gguf_sources('starter'))")
-if [ ! -s .stage-cache/starter.gguf.xz ]; then
+if [ "$after_bench" != 1 ]; then
+  ls .stage-cache/gguf-*.whl >/dev/null 2>&1 || \
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .stage-cache "gguf==$GGUF_VERSION"
+  cp .stage-cache/gguf-*.whl .devB/
+fi
+if [ "$after_bench" != 1 ] && [ ! -s .stage-cache/starter.gguf.xz ]; then
   xz -T0 -6 -c "$gguf" > .stage-cache/starter.gguf.xz.tmp && mv .stage-cache/starter.gguf.xz.tmp .stage-cache/starter.gguf.xz
 fi
 gguf_sum=$(sha256sum "$gguf" | cut -d' ' -f1)
@@ -52,10 +61,11 @@ gguf_sum=$(sha256sum "$gguf" | cut -d' ' -f1)
   --eval-prompts-per-file 64 --max-prompt-tokens 1024 >/dev/null
 rm -f .devC/run/train.log
 
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+if [ "$after_bench" = 1 ]; then rm -rf .devA .devB .devD; else
 # Split the compressed GGUF to fill what calls 1 and 2 leave free; what .devC cannot take as
 # well (a large tree, e.g. once the shipped drafter is in it) goes to .devD, one more call.
 rm -rf .devD
-tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 # Room a call has left for its GGUF part, never below 0 (a large tree leaves none; .devD can
 # take at most one call's room on its own).
 room() { local r=$(( LIMIT - tree - MARGIN - $(du -cb "$1" | tail -1 | cut -f1) )); echo $(( r > 0 ? r : 0 )); }
@@ -103,6 +113,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 [ "${SMOKE:-1}" = 0 ] || timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_train.py -k "engine_drafter or reduce_the_loss or reloads" 2>&1 | tail -15 || true
 EOS
+fi
 
 cat > .devC/run.sh <<EOS
 # Assemble the starter GGUF, then generate the training answers within this call's 600 s
@@ -110,15 +121,17 @@ cat > .devC/run.sh <<EOS
 set -uo pipefail
 export PYTHONPATH=/root/site:\$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
 mkdir -p /root/work
-cat /root/keep/g.aa /root/keep/g.ab \$(ls /root/keep/g.ad 2>/dev/null) .devC/g.ac | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/root/work/SmolLM2-135M-Instruct.Q4_1.gguf', 'wb'))"
-echo "$gguf_sum  /root/work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+check() { echo "$gguf_sum  /root/work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet - 2>/dev/null; }
+check || cat /root/keep/g.aa /root/keep/g.ab \$(ls /root/keep/g.ad 2>/dev/null) .devC/g.ac | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/root/work/SmolLM2-135M-Instruct.Q4_1.gguf', 'wb'))"
+check || { echo "the starter GGUF is not complete in /root/work" >&2; exit 3; }
 [ -d /root/work/run ] || cp -r .devC/run /root/work/run
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gen() {
   python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
     --stages generate --max-new-tokens 512 --gen-batch \${GEN_BATCH:-1024} --target-dtype \$1 \\
     --gen-time-limit \$(( \${GEN_SECONDS:-500} - SECONDS )) --self-prompts \${SELF_PROMPTS:-8192} \\
-    --samples-per-prompt \${SAMPLES:-3} --sample-temperature 0.7 --mirror \$OUT 2>&1 | tee -a \$OUT/run.log
+    --samples-per-prompt \${SAMPLES:-3} --sample-temperature 0.7 --self-prompt-openings \${OPENINGS:-none} \\
+    --seed \${SEED:-0} --mirror \$OUT 2>&1 | tee -a \$OUT/run.log
 }
 gen bfloat16 || { rm -f /root/work/run/data/train.jsonl.gz; gen float32; }
 ls -la /root/work/run/data
@@ -141,7 +154,8 @@ TL=$(( ${RUN_SECONDS:-575} - SECONDS ))
 python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
   --stages train --layers 2 --block-size 7 --markov-rank 16 --intermediate-size ${INTER:-0} \
   --batch-seqs ${BATCH:-32} --anchors ${ANCHORS:-128} --lr ${LR:-6e-4} --val-seqs 96 --eval-every 500 \
-  --checkpoint-every 500 --log-every 50 --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
+  --checkpoint-every 500 --log-every 50 --time-limit $TL --seed ${SEED:-0} ${INIT_FROM:+--init-from $INIT_FROM} \
+  --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
 bash .devC/split.sh
 EOS
 
@@ -156,7 +170,7 @@ python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_
 bash .devC/split.sh
 EOS
 
-for d in .devA .devB $(ls -d .devD 2>/dev/null) .devC; do
+for d in $(ls -d .devA .devB .devD 2>/dev/null) .devC; do
   size=$(( tree + $(du -cb $d | tail -1 | cut -f1) ))
   echo "$d: $(du -sh $d | cut -f1) (call total $(( size / 1048576 )) MiB of 64)"
   test "$size" -lt "$LIMIT"
