@@ -222,7 +222,7 @@ class Target:
         probe = self._probe_ids()
         try:
             plain, stable = make_prompt_cache(self.model), stabilize(make_prompt_cache(self.model), policy)
-            if not any(type(c) is not type(p) for c, p in zip(stable, plain)):
+            if not any(type(c) is not type(p) for c, p in zip(caches.leaves(stable), caches.leaves(plain))):
                 return  # nothing to stabilize (rotating windows, recurrent state)
             want = self._two_step_logits(probe, plain)
             got = self._two_step_logits(probe, stable)

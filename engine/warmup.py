@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from engine import caches
 from engine.drafters.block import CONTEXT_CHUNK
 from engine.protocols import EngineLike
 from engine.shapes import StableKVCache
@@ -72,7 +73,7 @@ def _prompt(target, n: int = 8) -> list[int]:
 
 
 def _reserve(cache: list, capacity: int) -> None:
-    for c in cache:
+    for c in caches.leaves(cache):  # a hybrid layer's CacheList holds its KV cache inside
         if isinstance(c, StableKVCache):
             c.reserve(capacity, (c.keys, c.values))
 

@@ -402,6 +402,25 @@ def test_stable_cache_forwards_match_the_plain_cache_and_roll_back_exactly(eng):
     assert window.tolist() == [[False] * 4 + [True] * 2 + [False] * 2]
 
 
+def test_stabilize_changes_only_the_full_attention_caches():
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    from engine.shapes import stabilize
+
+    policy = ShapePolicy(step=16)
+    mixed = [RotatingKVCache(max_size=8), KVCache(), ArraysCache(size=2), CacheList(ArraysCache(size=2), KVCache())]
+    out = stabilize(mixed, policy)
+    assert [type(c) for c in out[:3]] == [RotatingKVCache, StableKVCache, ArraysCache]
+    assert out[0] is mixed[0] and out[2] is mixed[2] and out[1].step == 16
+    assert [type(c) for c in out[3].caches] == [ArraysCache, StableKVCache]
+    recurrent = [ArraysCache(size=2), RotatingKVCache(max_size=8)]
+    assert stabilize(recurrent, policy) is recurrent  # nothing to stabilize
+    used = [KVCache(), RotatingKVCache(max_size=8)]
+    used[0].update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    assert stabilize(used, policy) is used  # a cache in use keeps its kind
+    assert stabilize(mixed, None) is mixed
+
+
 def test_a_low_precision_target_keeps_stable_shapes_within_its_rounding(monkeypatch):
     """On CUDA a bf16 verify over the whole masked buffer rounds about an ulp away from the sliced
     one (another reduction order). The shape probe allows a bf16 model its rounding (fp32's

@@ -23,6 +23,7 @@ from engine.drafters.draft_model import DraftModelDrafter
 from engine.errors import TandemError
 from engine.generate import Engine
 from engine.sampling import Sampler, SamplingParams, target_probs
+from engine.shapes import ShapePolicy, StableKVCache
 from engine.speculative import DecodeStats, FixedCap, decode
 from engine.target import Target
 from tests import drafter_ckpt as ck
@@ -134,9 +135,24 @@ class Scripted(Drafter):
 # ----------------------------------------------------------------------------------------
 # greedy: every mode, every family
 # ----------------------------------------------------------------------------------------
+# CUDA's stable shapes on every family: full-attention layers get StableKVCache (whole-buffer
+# attention with a mask, padded verifies), sliding windows and recurrent state stay as they are.
+STABLE = ShapePolicy(step=16, widths=(1, 2, 4, 8))
+
+
+def under_stable_shapes(target: Target) -> None:
+    target.set_shapes(STABLE)
+    kinds = [type(c) for c in caches.leaves(target.new_cache())]
+    assert target.shapes == STABLE, target.shapes_refused
+    assert StableKVCache in kinds and KVCache not in kinds
+
+
+@pytest.mark.parametrize("shapes", ["exact", "stable"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_greedy_output_identical_in_every_mode(tmp_path, arch):
+def test_greedy_output_identical_in_every_mode(tmp_path, arch, shapes):
     engine = Engine(make_family_model(arch, seed=3), make_tokenizer(), name=f"tiny-{arch}")
+    if shapes == "stable":
+        under_stable_shapes(engine.target)
     assert engine.target.speculation_blocker() is None and engine.resolve_mode("auto") == "lookup"
     # A draft model of the same family (sliding-window or hybrid itself), right most of the time.
     engine.set_drafter("draft", DraftModelDrafter(noisy_copy(arch, 3, noise=0.6), max_draft=4))
@@ -158,11 +174,14 @@ def test_greedy_output_identical_in_every_mode(tmp_path, arch):
 # ----------------------------------------------------------------------------------------
 # the caches after every commit
 # ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shapes", ["exact", "stable"])
 @pytest.mark.parametrize("arch,method", [(a, m) for a in FAMILIES
                                          for m in (("states", "replay") if a in RECURRENT else (None,))])
-def test_cache_after_every_commit_equals_a_clean_forward(monkeypatch, arch, method):
+def test_cache_after_every_commit_equals_a_clean_forward(monkeypatch, arch, method, shapes):
     model = make_family_model(arch, seed=5)
     target = Target(model, rollback_method=method)
+    if shapes == "stable":  # 5-token verifies padded to 8: the filler rows are cut with the rejected drafts
+        under_stable_shapes(target)
     assert target.speculation_blocker() is None
     if method:
         assert target.recorder.method == method  # the load-time check passed for this way

@@ -163,6 +163,7 @@ def starter_part(args, dtype: str, deadline: float) -> dict:
         out["benchmark"] = f"skipped: {deadline - time.time():.0f} s of this dtype's budget left"
         return out
     eng = load(args.gguf, dtype=dtype)
+    out["target_shapes"], out["target_shapes_refused"] = str(eng.target.shapes), eng.target.shapes_refused
     if args.tiny:
         quick_calibrations(eng, ("lookup", "dspark"))
     arms = B.make_arms(["lookup", "dspark"], B.parse_caps(args.caps), noise_floor=args.noise_floor)

@@ -161,11 +161,14 @@ EOS
 
 cat > .devC/extend.sh <<'EOS'
 # A later call on the same warm machine: more training from the checkpoint (warm restart).
+# The batch, the peak learning rate (restarting at half of it) and the validation set are
+# train.sh's: flags, not kept in the checkpoint.
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
 TL=$(( ${RUN_SECONDS:-280} - SECONDS ))
 python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
   --stages train --extend --log-every 50 --eval-every 500 --checkpoint-every 500 \
+  --batch-seqs ${BATCH:-32} --anchors ${ANCHORS:-128} --lr ${LR:-6e-4} --val-seqs 96 \
   --time-limit $TL --mirror $OUT ${EXTRA_ARGS:-} 2>&1 | tee $OUT/run.log
 bash .devC/split.sh
 EOS
