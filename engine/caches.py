@@ -38,7 +38,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
-from engine.shapes import StableKVCache  # a KVCache whose multi-row attention sees its whole buffer
+from engine.shapes import ShapePolicy, StableKVCache  # a KVCache whose multi-row attention sees its whole buffer
 
 TRIMMED = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, StableKVCache)
 KNOWN = (*TRIMMED, RotatingKVCache, ArraysCache)
@@ -72,6 +72,24 @@ def blocker(cache: list) -> str | None:
             if type(leaf) not in KNOWN:
                 return f"layer {i} keeps a {type(leaf).__name__} cache, which the engine cannot roll back"
     return None
+
+
+def stabilize(cache: list, policy: ShapePolicy | None) -> list:
+    """``cache`` with every plain ``KVCache`` replaced by a ``StableKVCache`` under ``policy``;
+    other kinds (rotating windows, recurrent state) stay. A model shares one mask among the
+    layers of a kind, built from one of them, so every full-attention layer must change."""
+    plain = [c for c in leaves(cache or []) if type(c) is KVCache]
+    if policy is None or not plain or any(not c.empty() for c in plain):
+        return cache
+
+    def convert(c: Any) -> Any:
+        if type(c) is KVCache:
+            return StableKVCache(policy.step)
+        if type(c) is CacheList:  # a hybrid layer's several caches (Falcon-H1: recurrent + attention)
+            return CacheList(*(convert(m) for m in c.caches))
+        return c
+
+    return [convert(c) for c in cache]
 
 
 def describe(cache: list) -> str:

@@ -96,7 +96,7 @@ def _shapes_row(target) -> str:
     from engine.shapes import default_policy
 
     if default_policy() is not None:
-        return "exact: no plain KV cache to stabilize (sliding windows or recurrent state)"
+        return "exact: no full-attention KV cache to stabilize (only sliding windows or recurrent state)"
     return "exact (this backend compiles nothing per shape; TANDEM_STABLE_SHAPES=1 forces the policy)"
 
 

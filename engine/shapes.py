@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache
+from mlx_lm.models.cache import KVCache
 
 CUDA_STEP = 1024  # KV rows per growth step on CUDA: one new attention graph per width every 1024 tokens
 LADDER = (1, 2, 4, 8, 16, 32, 64)  # verify widths (a 135M..8B forward costs about the same at 5 and 8 rows)
@@ -148,21 +148,3 @@ class StableKVCache(KVCache):
         if self.keys is not None:
             rows = max(rows, self.keys.shape[2])
         return capacity_mask(self.offset, n, rows, window_size)
-
-
-def stabilize(cache: list, policy: ShapePolicy | None) -> list:
-    """``cache`` with every plain ``KVCache`` replaced by a ``StableKVCache`` under ``policy``;
-    other kinds (rotating windows, recurrent state) stay. A model shares one mask among the
-    layers of a kind, built from one of them, so every full-attention layer must change."""
-    def plain(c: Any) -> list:  # the plain KV caches in c (a CacheList holds a layer's several)
-        return [c] if type(c) is KVCache else [p for m in c.caches for p in plain(m)] if type(c) is CacheList else []
-
-    def convert(c: Any) -> Any:
-        if type(c) is KVCache:
-            return StableKVCache(policy.step)
-        return CacheList(*(convert(m) for m in c.caches)) if type(c) is CacheList else c
-
-    found = [p for c in cache or [] for p in plain(c)]
-    if policy is None or not found or any(not p.empty() for p in found):
-        return cache
-    return [convert(c) for c in cache]

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine import caches, compiled, recurrent
 from engine.errors import TandemError
 from engine.platform import backend
-from engine.shapes import ShapePolicy, default_policy, stabilize
+from engine.shapes import ShapePolicy, default_policy
 
 log = logging.getLogger("tandem.target")
 
@@ -221,9 +221,9 @@ class Target:
             return
         probe = self._probe_ids()
         try:
-            plain, stable = make_prompt_cache(self.model), stabilize(make_prompt_cache(self.model), policy)
+            plain, stable = make_prompt_cache(self.model), caches.stabilize(make_prompt_cache(self.model), policy)
             if not any(type(c) is not type(p) for c, p in zip(caches.leaves(stable), caches.leaves(plain))):
-                return  # nothing to stabilize (rotating windows, recurrent state)
+                return  # nothing to stabilize (only rotating windows or recurrent state)
             want = self._two_step_logits(probe, plain)
             got = self._two_step_logits(probe, stable)
         except Exception as e:
@@ -258,7 +258,7 @@ class Target:
         cache = make_prompt_cache(self.model)
         if self.kv_bits:
             return caches.quantize_kv(cache, self.kv_bits)
-        return stabilize(cache, self.shapes)
+        return caches.stabilize(cache, self.shapes)
 
     def set_kv_bits(self, bits: int | None) -> None:
         """Quantize full-attention K/V to ``bits`` (4 or 8, group size 64; None: off). Probed with

@@ -3,10 +3,32 @@ tokenizer made on the spot, so nothing is downloaded."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any QApplication exists
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _private_cache() -> None:
+    """Tandem's cache for this session only: a calibration or prefix entry a benchmark left in the
+    user's cache would change caps and cached tokens (the suite must not depend on what ran
+    before). Pure build products (GGUF conversions, the BLAS shim) are linked in, not rebuilt."""
+    from engine.paths import cache_root
+
+    user = cache_root()
+    mine = Path(tempfile.mkdtemp(prefix="tandem-test-cache-"))
+    atexit.register(shutil.rmtree, mine, ignore_errors=True)
+    for name in ("converted", "blas"):
+        if (user / name).is_dir():
+            (mine / name).symlink_to(user / name, target_is_directory=True)
+    os.environ["TANDEM_CACHE_DIR"] = str(mine)
+
+
+_private_cache()
 
 import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
 import pytest  # noqa: E402

@@ -405,7 +405,7 @@ def test_stable_cache_forwards_match_the_plain_cache_and_roll_back_exactly(eng):
 def test_stabilize_changes_only_the_full_attention_caches():
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    from engine.shapes import stabilize
+    from engine.caches import stabilize
 
     policy = ShapePolicy(step=16)
     mixed = [RotatingKVCache(max_size=8), KVCache(), ArraysCache(size=2), CacheList(ArraysCache(size=2), KVCache())]

@@ -31,7 +31,7 @@ from engine import caches
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
 from engine.sampling import Sampler
-from engine.shapes import ShapePolicy, StableKVCache, pieces, stabilize
+from engine.shapes import ShapePolicy, StableKVCache, pieces
 
 FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
 CATCH_UP_MIN = 16  # a shorter backlog is fed with the proposal, in the same lazy graph (no sync)
@@ -71,7 +71,7 @@ class DraftModelDrafter(Drafter):
         self._reset()  # the prompt is fed at the first proposal, or by catch_up before it
 
     def _reset(self) -> None:
-        self._cache = stabilize(make_prompt_cache(self.model), self.shapes)
+        self._cache = caches.stabilize(make_prompt_cache(self.model), self.shapes)
         reason = caches.blocker(self._cache)
         if reason is not None:
             raise TandemError(f"the draft model cannot draft: {reason}")
@@ -102,7 +102,7 @@ class DraftModelDrafter(Drafter):
         of each power-of-two width up to FEED_CHUNK (values do not matter, shapes do). Leaves no state."""
         self._reset()
         stable = [c for c in caches.leaves(self._cache) if isinstance(c, StableKVCache)]
-        if not stable:  # no shape policy, or a draft model with windows or recurrent state
+        if not stable:  # no shape policy, or a draft model without full-attention layers
             return
         self.model(mx.zeros((1, 1), dtype=mx.uint32), cache=self._cache)
         for c in stable:
@@ -110,7 +110,7 @@ class DraftModelDrafter(Drafter):
         width = 1
         while width <= FEED_CHUNK and width < capacity:
             mx.eval(self.model(mx.zeros((1, width), dtype=mx.uint32), cache=self._cache))
-            for c in stable:  # stabilize replaced every layer's cache: each one trims
+            for c in stable:  # windows and recurrent state are left to the reset below
                 caches.trim(c, width)
             width *= 2
         self._reset()

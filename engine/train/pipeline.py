@@ -137,8 +137,9 @@ def chat_frame(tokenizer: Any) -> tuple[list[int], list[int]] | None:
 def generate_stage(engine: Any, args: argparse.Namespace, data: Path, log: Callable[[str], None]) -> None:
     """Greedy answers to the training and held-out prompts, then, time permitting, the extras:
     ``--self-prompts`` user turns sampled from the target itself (its chat frame, temperature
-    1; each started with one of ``--self-prompt-openings`` in turn) and answered greedily, and ``--samples-per-prompt`` answers sampled at
-    ``--sample-temperature`` to the training prompts. All of it is the target's own text."""
+    1, each started from the next of ``--self-prompt-openings``) and answered greedily, and
+    ``--samples-per-prompt`` answers sampled at ``--sample-temperature`` to the training
+    prompts. All of it is the target's own text."""
     from engine.train.data import decode_all
 
     train_ex = load_examples(data / "prompts-train.jsonl")

@@ -92,8 +92,10 @@ def drafter_from_folder(engine: Any, spec: str):
 
     path = checkpoint.resolve_drafter_path(spec)
     config = checkpoint.read_config(path)
-    if config.get("block_size") is None or "Qwen3DSparkModel" not in (config.get("architectures") or []):
-        raise TandemError(f"--init-from {spec}: not a DSpark drafter (train-drafter continues DSpark checkpoints only)")
+    if block.checkpoint_kind(config, f"--init-from {spec}") != "dspark":
+        raise TandemError(f"--init-from {spec}: a DFlash drafter; train-drafter continues DSpark drafters only")
+    if not (path / "model.safetensors").is_file():
+        raise TandemError(f"--init-from {spec}: model.safetensors is missing")
     target = target_config_of(engine)
     for key in ("hidden_size", "vocab_size"):
         if config.get(key) != target[key]:
@@ -104,7 +106,10 @@ def drafter_from_folder(engine: Any, spec: str):
     config = {k: v for k, v in config.items() if k not in ("tandem", "torch_dtype")}
     model = block.DSparkModel(block.parse_config(config, f"drafter {path}"))
     checkpoint.copy_target_embeddings(model, engine.target)
-    weights = mx.load(str(path / "model.safetensors"))
+    try:
+        weights = mx.load(str(path / "model.safetensors"))
+    except Exception as e:  # truncated or not safetensors
+        raise TandemError(f"--init-from {spec}: model.safetensors is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     own = dict(tree_flatten(model.parameters()))
     weights = {k: v.astype(mx.float32) for k, v in weights.items() if k in own}
     missing = sorted(set(own) - set(weights) - set(checkpoint.TARGET_EMBEDDING_KEYS))
