@@ -200,6 +200,12 @@ def test_init_from_refuses_a_drafter_of_another_target(tiny, tmp_path):
         Trainer(eng, exs, [], tmp_path / "b", small_config(init_from=str(t.export_dir)))
     with pytest.raises(TandemError, match="not found"):
         Trainer(eng, exs, [], tmp_path / "c", small_config(init_from=str(tmp_path / "nowhere")))
+    (t.export_dir / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(TandemError, match="model.safetensors is unreadable"):
+        Trainer(other, exs, [], tmp_path / "d", small_config(init_from=str(t.export_dir)))
+    (t.export_dir / "model.safetensors").unlink()
+    with pytest.raises(TandemError, match="model.safetensors is missing"):
+        Trainer(other, exs, [], tmp_path / "e", small_config(init_from=str(t.export_dir)))
 
 
 def test_self_prompt_openings_come_from_a_name_or_a_file(tmp_path):
