@@ -77,7 +77,8 @@ def blocker(cache: list) -> str | None:
 def stabilize(cache: list, policy: ShapePolicy | None) -> list:
     """``cache`` with every plain ``KVCache`` replaced by a ``StableKVCache`` under ``policy``;
     other kinds (rotating windows, recurrent state) stay. A model shares one mask among the
-    layers of a kind, built from one of them, so every full-attention layer must change."""
+    layers of a kind, built from one of them, so every full-attention layer must change.
+    ``cache`` itself when nothing changes (no policy, no plain KV cache, or one in use)."""
     plain = [c for c in leaves(cache or []) if type(c) is KVCache]
     if policy is None or not plain or any(not c.empty() for c in plain):
         return cache

@@ -221,9 +221,11 @@ class Target:
             return
         probe = self._probe_ids()
         try:
-            plain, stable = make_prompt_cache(self.model), caches.stabilize(make_prompt_cache(self.model), policy)
-            if not any(type(c) is not type(p) for c, p in zip(caches.leaves(stable), caches.leaves(plain))):
+            fresh = make_prompt_cache(self.model)
+            stable = caches.stabilize(fresh, policy)
+            if stable is fresh:
                 return  # nothing to stabilize (only rotating windows or recurrent state)
+            plain = make_prompt_cache(self.model)
             want = self._two_step_logits(probe, plain)
             got = self._two_step_logits(probe, stable)
         except Exception as e:

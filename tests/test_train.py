@@ -196,12 +196,12 @@ def test_init_from_refuses_a_drafter_of_another_target(tiny, tmp_path):
     t.fit()
     from engine.errors import TandemError
 
-    with pytest.raises(TandemError, match="hidden_size 96 does not match the target's"):
+    with pytest.raises(TandemError, match="hidden size mismatch: the drafter has 96, tiny-llama has 64"):
         Trainer(eng, exs, [], tmp_path / "b", small_config(init_from=str(t.export_dir)))
     with pytest.raises(TandemError, match="not found"):
         Trainer(eng, exs, [], tmp_path / "c", small_config(init_from=str(tmp_path / "nowhere")))
     (t.export_dir / "model.safetensors").write_bytes(b"not safetensors")
-    with pytest.raises(TandemError, match="model.safetensors is unreadable"):
+    with pytest.raises(TandemError, match="model.safetensors: safetensors file is corrupt"):
         Trainer(other, exs, [], tmp_path / "d", small_config(init_from=str(t.export_dir)))
     (t.export_dir / "model.safetensors").unlink()
     with pytest.raises(TandemError, match="model.safetensors is missing"):

@@ -84,44 +84,16 @@ def new_drafter(engine: Any, cfg: TrainConfig):
 
 def drafter_from_folder(engine: Any, spec: str):
     """An exported DSpark drafter (a folder, ``resources:...``) as a float32 model to train
-    further: its own architecture and tap layers, the target's embedding/head, frozen."""
+    further: its own architecture and tap layers over the full vocabulary, the target's
+    embedding/head, frozen. The engine's loader reads and checks it (target, keys, shapes)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    from engine.drafters import block, checkpoint
+    from engine.drafters import checkpoint
 
     path = checkpoint.resolve_drafter_path(spec)
-    config = checkpoint.read_config(path)
-    if block.checkpoint_kind(config, f"--init-from {spec}") != "dspark":
-        raise TandemError(f"--init-from {spec}: a DFlash drafter; train-drafter continues DSpark drafters only")
-    if not (path / "model.safetensors").is_file():
-        raise TandemError(f"--init-from {spec}: model.safetensors is missing")
-    target = target_config_of(engine)
-    for key in ("hidden_size", "vocab_size"):
-        if config.get(key) != target[key]:
-            raise TandemError(f"--init-from {spec}: drafter {key} {config.get(key)} does not match the target's {target[key]}")
-    taps = config.get("target_layer_ids") or []
-    if not taps or max(taps) >= engine.target.num_layers:
-        raise TandemError(f"--init-from {spec}: tap layers {taps} do not fit the target's {engine.target.num_layers} layers")
-    config = {k: v for k, v in config.items() if k not in ("tandem", "torch_dtype")}
-    model = block.DSparkModel(block.parse_config(config, f"drafter {path}"))
-    checkpoint.copy_target_embeddings(model, engine.target)
-    try:
-        weights = mx.load(str(path / "model.safetensors"))
-    except Exception as e:  # truncated or not safetensors
-        raise TandemError(f"--init-from {spec}: model.safetensors is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    own = dict(tree_flatten(model.parameters()))
-    weights = {k: v.astype(mx.float32) for k, v in weights.items() if k in own}
-    missing = sorted(set(own) - set(weights) - set(checkpoint.TARGET_EMBEDDING_KEYS))
-    if missing:
-        raise TandemError(f"--init-from {spec}: model.safetensors lacks {', '.join(missing[:3])}"
-                          + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
-    wrong = [k for k, v in weights.items() if tuple(v.shape) != tuple(own[k].shape)]
-    if wrong:
-        raise TandemError(f"--init-from {spec}: {wrong[0]} is {list(weights[wrong[0]].shape)}, "
-                          f"the config says {list(own[wrong[0]].shape)}")
-    model.load_weights(list(weights.items()), strict=False)
-    model.config = config
+    model, _ = checkpoint.load_checkpoint(path, engine.target, mode="dspark", dtype=mx.float32, draft_vocab=0)
+    model.train()  # the loader hands out a drafter for inference
+    model.config = {k: v for k, v in checkpoint.read_config(path).items() if k not in ("tandem", "torch_dtype")}
     freeze_target_parts(model)
     return model
 
