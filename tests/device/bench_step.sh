@@ -55,6 +55,10 @@ if [ "$wheels" -gt 0 ] && [ "$wheels" = "$want" ] && [ ! -e "$KEEP/.installed" ]
   touch "$KEEP/.installed"
 fi
 export PYTHONPATH=$SITE:$PWD
+if [ ! -e "$KEEP/.installed" ]; then  # an early keep call: its parts are kept, no wheels to check yet
+  [ "$action" = keep ] || { echo "bench_step: '$action' needs the wheels, which earlier calls did not complete" >&2; exit 4; }
+  say "kept; the wheels are not complete yet"; exit 0
+fi
 "$PY" -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" || exit 5
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
