@@ -52,7 +52,7 @@ from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.protocols import EngineLike
 
-SCHEMA = 2
+SCHEMA = 3  # 3: plain steps timed at the curve's context
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
 CUT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
@@ -296,9 +296,13 @@ def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], p
 
 
 def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, rounds: int = OVERHEAD_ROUNDS,
-                   tick: Callable[[], None] = lambda: None, passes: int = 2) -> tuple[float, float]:
+                   tick: Callable[[], None] = lambda: None, passes: int = 2,
+                   plain_ids: Sequence[int] | None = None) -> tuple[float, float]:
     """(speculative round overhead ms, plain step ms) from the real verify loop, run as it runs:
-    rounds at a fixed ``cap``, and a run of pipelined plain steps (a parked controller's).
+    rounds at a fixed ``cap`` after ``ids``, and a run of pipelined plain steps (a parked
+    controller's) after ``plain_ids`` (default ``ids``): a step's cost grows with the context
+    (attention; on a CPU 10-40 % from 200 to 512 tokens), so the plain step is timed at the
+    verify curve's context, which it is compared with.
 
     A round's overhead is its wall time (emit to emit) minus the part the curves stand for,
     taken from the same round's own timings (``verify_s``, and ``draft_s`` for a drafter with a
@@ -311,9 +315,9 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
     spec: list[float] = []
     plain: list[float] = []
     for _ in range(passes):
-        for policy, out in ((FixedCap(cap), spec), (FixedCap(0), plain)):
+        for policy, out, prompt in ((FixedCap(cap), spec, ids), (FixedCap(0), plain, plain_ids or ids)):
             t_prev, paused, got = None, 0.0, 0
-            steps = decode(target, drafter, ids, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
+            steps = decode(target, drafter, prompt, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
                            cap_policy=policy, mode="calibration")
             try:
                 for _, event in steps:
@@ -471,10 +475,11 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
         del cache, hidden
         cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms,
                           pad_widths=list(shapes.widths) if shapes is not None else [])
-        # The loop's own work is the same at any context: a 128-token prompt keeps these
-        # prefills short (and skips a one-off slow first run seen on fresh 512-row caches).
+        # The loop's own work is the same at any context: a 128-token prompt keeps the rounds'
+        # prefills short (and skips a one-off slow first run seen on fresh 512-row caches); the
+        # plain steps run at the curve's context, as verify(w) was measured.
         cal.overhead_ms, cal.plain_ms = measure_rounds(target, drafter, ids[:128], min(drafter.max_draft, 8),
-                                                       overhead_rounds, tick("rounds and plain steps"))
+                                                       overhead_rounds, tick("rounds and plain steps"), plain_ids=ids)
         cal.step_overhead_ms = cal.plain_ms - cal.verify(1)
         if tune:
             trace = confidence_trace(engine, drafter, texts, tick=tick("confidence trace"))

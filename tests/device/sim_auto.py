@@ -90,6 +90,9 @@ def main() -> int:
     ap.add_argument("--draft", type=float, default=4.2)
     ap.add_argument("--piece", type=float, default=0.4)
     ap.add_argument("--lookup-ms", type=float, default=0.1)
+    ap.add_argument("--cal", choices=("optimistic", "matched"), default="optimistic",
+                    help="the calibration the controller starts from: the GPU's optimistic curves, or "
+                         "curves that match the modeled clock (a CPU run: --step 47 --sync 56 --width-ms 14 --draft 13)")
     ap.add_argument("--fixed", type=int, default=0, help="also a fixed-cap arm at this cap")
     ap.add_argument("--classes", default="chat,code,math")
     ap.add_argument("--show", action="store_true", help="print each auto run of the last pass, round by round")
@@ -102,8 +105,12 @@ def main() -> int:
     prompts = load_prompts(args.classes.split(","), per_class=args.per_class)
     # The calibration a GPU measured for this pair promised ~1.4x at full drafts (its curves
     # priced rounds far below what they cost): an optimistic model the live fit must correct.
-    cal = M.Calibration.synthetic(lambda w: args.step * (1.0 + 0.01 * w), 16, plain_ms=args.step,
-                                  draft=lambda c: 1.0)
+    if args.cal == "matched":
+        cal = M.Calibration.synthetic(lambda w: args.sync + args.width_ms * (w - 1), 16, plain_ms=args.step,
+                                      draft=lambda c: args.draft)
+    else:
+        cal = M.Calibration.synthetic(lambda w: args.step * (1.0 + 0.01 * w), 16, plain_ms=args.step,
+                                      draft=lambda c: 1.0)
     for mode in args.modes.split(","):
         drafter = eng.drafter(mode)
         state = None
