@@ -120,6 +120,39 @@ def test_a_few_steps_reduce_the_loss(tiny, tmp_path):
     assert trainer.state.history and (tmp_path / "drafter" / "config.json").is_file()
 
 
+def test_walked_rounds_are_the_loops_rounds_on_the_same_greedy_answer(tiny, tmp_path):
+    """``val_walk`` decodes each held-out answer as the loop does: round by round, the tokens
+    ``Trainer.walk_rounds`` commits are those of the real loop (greedy, the drafter's full
+    block, no cut) on the same prompt, whose greedy answer it is; only the last round, which the
+    answer's end cuts short, may differ."""
+    from engine.speculative import DecodeStats, FixedCap, decode
+
+    eng, exs = tiny
+    val = exs[:8]
+    trainer = Trainer(eng, exs, val, tmp_path, small_config(steps=30))
+    trainer.fit()
+    drafter = DSparkDrafter(trainer.model, trainer.model.cfg, eng.target, confidence_threshold=0.0)
+    assert drafter.max_draft == trainer.cfg.block_size
+    compared = []
+    for ex, walked in zip(trainer.val, trainer.walk_rounds(trainer.val)):
+        if len(ex.answer) < 2:  # EOS at once: no anchor, no round
+            assert walked == []
+            continue
+        assert sum(walked) >= len(ex.answer) - 1 and sum(walked[:-1]) < len(ex.answer) - 1
+        stats = DecodeStats()
+        for _ in decode(eng.target, drafter, ex.prompt, GREEDY, max_new_tokens=len(ex.answer) + drafter.max_draft + 1,
+                        cap_policy=FixedCap(drafter.max_draft), stats=stats, eos_ids=[0]):
+            pass
+        looped = [accepted + 1 for _, accepted in stats.rounds[1:]]
+        assert looped[: len(walked) - 1] == walked[:-1], (ex.prompt, looped, walked)
+        compared += walked[:-1]
+    assert len(compared) > 20 and max(compared) > 2  # many rounds, drafts accepted in some
+    report = trainer.evaluate()
+    every = [t for w in trainer.walk_rounds(trainer.val) for t in w]
+    assert report["val_walk"] == pytest.approx(sum(every) / len(every))
+    assert {k for k in report if k.startswith("val_walk_")} == {"val_walk_chat", "val_walk_code", "val_walk_math"}
+
+
 def test_saved_drafter_reloads_through_the_loader_and_drafts_identically(tiny, tmp_path):
     eng, exs = tiny
     trainer = Trainer(eng, exs, [], tmp_path, small_config(steps=6))

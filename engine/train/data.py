@@ -355,11 +355,12 @@ class Batch:
 
 
 def make_batch(examples: Sequence[Example], *, block_size: int, num_anchors: int, rng: np.random.Generator,
-               pad_to: int = 1) -> Batch:
+               pad_to: int = 1, positions: Sequence[Sequence[int]] | None = None) -> Batch:
     """Pad the sequences and sample up to ``num_anchors`` anchors per sequence among answer
     positions p whose next token is also answer (DeepSpec's rule: anchor and first label in
     the loss mask). The block of anchor p is [x_p, MASK...] at positions p..p+B-1; slot k
-    predicts x_{p+k+1}."""
+    predicts x_{p+k+1}. ``positions``: each sequence's anchors, given (at most ``num_anchors``,
+    among those positions) instead of sampled."""
     S, B = len(examples), block_size
     lengths = np.array([len(ex.prompt) + len(ex.answer) for ex in examples], dtype=np.int32)
     T = int(-(-lengths.max() // pad_to) * pad_to)
@@ -370,7 +371,9 @@ def make_batch(examples: Sequence[Example], *, block_size: int, num_anchors: int
         seq = ex.ids
         ids[s, : len(seq)] = seq
         cand = np.arange(len(ex.prompt), len(seq) - 1)  # anchor and its first label are answer tokens
-        if len(cand) > num_anchors:
+        if positions is not None:
+            cand = np.intersect1d(cand, np.asarray(positions[s], dtype=np.int64))[:num_anchors]
+        elif len(cand) > num_anchors:
             cand = np.sort(rng.choice(cand, num_anchors, replace=False))
         anchors[s, : len(cand)] = cand
         keep[s, : len(cand)] = True

@@ -186,6 +186,7 @@ def dspark_loss(model: Any, feats: Any, target_logits: Any, arrays: dict, cfg: T
     prob_run = mx.cumprod((accept * valid).reshape(S, A, B), axis=-1)
     metrics = {
         "loss": loss, "ce": ce_loss, "l1": l1_loss, "bce": bce_loss,
+        "tau_each": tau,  # [S, A]: each anchor's round, a block cut short by the answer's end included
         "tau_sum": (tau * full).sum(axis=-1), "tau_prob_sum": ((1.0 + prob_run.sum(axis=-1)) * full).sum(axis=-1),
         "blocks": full.sum(axis=-1),  # per sequence [S], so metrics split by content class
         "acc_k": (match.reshape(S, A, B) * valid.reshape(S, A, B)).sum(axis=(0, 1)),
@@ -205,11 +206,13 @@ def batch_arrays(batch: Batch, mask_token_id: int) -> dict:
             "rows": mx.array(batch.rows.reshape(S, A * B))}
 
 
-def target_side(target: Any, arrays: dict, taps: Sequence[int]) -> tuple[Any, Any]:
-    """Tapped features [S, T, nH] and the target's logits at each slot's row [S, A*B, V]."""
+def target_side(target: Any, arrays: dict, taps: Sequence[int], states: tuple[Any, Any] | None = None
+                ) -> tuple[Any, Any]:
+    """Tapped features [S, T, nH] and the target's logits at each slot's row [S, A*B, V].
+    ``states``: ``target_states`` of these ids, already computed (other anchors, same sequences)."""
     import mlx.core as mx
 
-    feats, final = target_states(target, arrays["ids"], taps)
+    feats, final = states if states is not None else target_states(target, arrays["ids"], taps)
     rows = arrays["rows"]
     picked = mx.take_along_axis(final, rows[..., None], axis=1)
     return feats, mx.stop_gradient(target.head(picked))

@@ -21,7 +21,7 @@ from engine.errors import TandemError
 from engine.train.config import TrainConfig, lr_at
 from engine.train.data import (Example, batch_at, batches_per_epoch, content_class, draft_vocabulary, make_batch,
                                usable)
-from engine.train.loss import batch_arrays, check_target_states, dspark_loss, target_side
+from engine.train.loss import batch_arrays, check_target_states, dspark_loss, target_side, target_states
 
 
 def default_mask_token(tokenizer: Any, vocab_size: int) -> int:
@@ -243,10 +243,12 @@ class Trainer:
         return self.export_dir
 
     # -- steps ----------------------------------------------------------------------------
-    def _batch(self, examples: list[Example], rng: np.random.Generator) -> dict:
-        b = make_batch(examples, block_size=self.cfg.block_size, num_anchors=self.cfg.anchors, rng=rng, pad_to=64)
+    def _batch(self, examples: list[Example], rng: np.random.Generator,
+               positions: Sequence[Sequence[int]] | None = None) -> dict:
+        b = make_batch(examples, block_size=self.cfg.block_size, num_anchors=self.cfg.anchors, rng=rng, pad_to=64,
+                       positions=positions)
         a = batch_arrays(b, self.mask_token_id)
-        a["sources"] = b.sources
+        a["sources"], a["keep"] = b.sources, b.keep
         return a
 
     def train_step(self) -> dict:
@@ -305,7 +307,47 @@ class Trainer:
         all_t = sum(t[0] for t in tot.values()), sum(t[1] for t in tot.values())
         if all_t[1]:
             res["val_tau"] = all_t[0] / all_t[1]
+        walked: dict[str, list[int]] = {}
+        for ex, taus in zip(self.val, self.walk_rounds(self.val)):
+            walked.setdefault(content_class(ex.source), []).extend(taus)
+        res.update({f"val_walk_{c}": sum(t) / len(t) for c, t in sorted(walked.items()) if t})
+        every = [t for taus in walked.values() for t in taus]
+        if every:
+            res["val_walk"] = sum(every) / len(every)
         return res
+
+    def walk_rounds(self, examples: Sequence[Example]) -> list[list[int]]:
+        """Each answer decoded as the loop would, greedy, the drafter's full block, no cut: from
+        the answer's first token, a round at anchor p commits tau(p) tokens (the teacher-forced
+        accepted drafts + the target's own) and the next round starts at p + tau(p). The tokens
+        per round of these rounds is what ``tandem benchmark`` measures on the same greedy
+        answer, where ``val_tau`` (every anchor alike) overweights easy stretches, which the
+        walk crosses in few rounds. Every answer position is an anchor (``anchors`` per pass)."""
+        import mlx.core as mx
+
+        S, A = self.cfg.batch_seqs, self.cfg.anchors
+        out: list[list[int]] = []
+        for i in range(0, len(examples), S):
+            exs = list(examples[i : i + S])
+            tau_at: list[dict[int, int]] = [{} for _ in exs]
+            states = None  # the target's pass over these sequences serves every pass of anchors
+            for start in range(0, max(len(ex.answer) for ex in exs), A):
+                positions = [range(len(ex.prompt) + start, len(ex.prompt) + start + A) for ex in exs]
+                arrays = self._batch(exs, np.random.default_rng(0), positions)
+                states = states or target_states(self.target, arrays["ids"], self.taps)
+                feats, tlogits = target_side(self.target, arrays, self.taps, states)
+                _, m = dspark_loss(self.model, feats, tlogits, arrays, self.cfg)
+                tau = np.array(m["tau_each"]).round().astype(int)
+                anchors, keep = np.array(arrays["anchors"]), arrays["keep"]
+                for s in range(len(exs)):
+                    tau_at[s].update(zip(anchors[s][keep[s]].tolist(), tau[s][keep[s]].tolist()))
+            for ex, at in zip(exs, tau_at):
+                p, taus = len(ex.prompt), []
+                while p in at:
+                    taus.append(at[p])
+                    p += at[p]
+                out.append(taus)
+        return out
 
     def fit(self, *, deadline: float | None = None) -> TrainState:
         """Train to ``total_steps`` or until ``deadline`` (time.time()); checkpoints on the way
