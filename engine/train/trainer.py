@@ -323,8 +323,6 @@ class Trainer:
         per round of these rounds is what ``tandem benchmark`` measures on the same greedy
         answer, where ``val_tau`` (every anchor alike) overweights easy stretches, which the
         walk crosses in few rounds. Every answer position is an anchor (``anchors`` per pass)."""
-        import mlx.core as mx
-
         S, A = self.cfg.batch_seqs, self.cfg.anchors
         out: list[list[int]] = []
         for i in range(0, len(examples), S):
