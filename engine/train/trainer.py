@@ -286,12 +286,14 @@ class Trainer:
         rng = np.random.default_rng([self.cfg.seed, 99])
         tot: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "ce": 0.0, "l1": 0.0, "bce": 0.0}
+        walked: dict[str, list[int]] = {}
         nb = 0
         S = self.cfg.batch_seqs
         for i in range(0, len(self.val), S):
             exs = self.val[i : i + S]
             arrays = self._batch(exs, rng)
-            feats, tlogits = target_side(self.target, arrays, self.taps)
+            states = target_states(self.target, arrays["ids"], self.taps)  # serves the walk's anchors too
+            feats, tlogits = target_side(self.target, arrays, self.taps, states)
             _, m = dspark_loss(self.model, feats, tlogits, arrays, self.cfg)
             mx.eval(m)
             for k in sums:
@@ -302,14 +304,13 @@ class Trainer:
                 t = tot.setdefault(content_class(src), [0.0, 0.0])
                 t[0] += float(tau[s])
                 t[1] += float(blocks[s])
+            for ex, taus in zip(exs, self._walk_batch(exs, states)):
+                walked.setdefault(content_class(ex.source), []).extend(taus)
         res = {f"val_{k}": v / nb for k, v in sums.items()}
         res.update({f"val_tau_{c}": t[0] / t[1] for c, t in sorted(tot.items()) if t[1] > 0})
         all_t = sum(t[0] for t in tot.values()), sum(t[1] for t in tot.values())
         if all_t[1]:
             res["val_tau"] = all_t[0] / all_t[1]
-        walked: dict[str, list[int]] = {}
-        for ex, taus in zip(self.val, self.walk_rounds(self.val)):
-            walked.setdefault(content_class(ex.source), []).extend(taus)
         res.update({f"val_walk_{c}": sum(t) / len(t) for c, t in sorted(walked.items()) if t})
         every = [t for taus in walked.values() for t in taus]
         if every:
@@ -323,28 +324,32 @@ class Trainer:
         per round of these rounds is what ``tandem benchmark`` measures on the same greedy
         answer, where ``val_tau`` (every anchor alike) overweights easy stretches, which the
         walk crosses in few rounds. Every answer position is an anchor (``anchors`` per pass)."""
-        S, A = self.cfg.batch_seqs, self.cfg.anchors
-        out: list[list[int]] = []
-        for i in range(0, len(examples), S):
-            exs = list(examples[i : i + S])
-            tau_at: list[dict[int, int]] = [{} for _ in exs]
-            states = None  # the target's pass over these sequences serves every pass of anchors
-            for start in range(0, max(len(ex.answer) for ex in exs), A):
-                positions = [range(len(ex.prompt) + start, len(ex.prompt) + start + A) for ex in exs]
-                arrays = self._batch(exs, np.random.default_rng(0), positions)
-                states = states or target_states(self.target, arrays["ids"], self.taps)
-                feats, tlogits = target_side(self.target, arrays, self.taps, states)
-                _, m = dspark_loss(self.model, feats, tlogits, arrays, self.cfg)
-                tau = np.array(m["tau_each"]).round().astype(int)
-                anchors, keep = np.array(arrays["anchors"]), arrays["keep"]
-                for s in range(len(exs)):
-                    tau_at[s].update(zip(anchors[s][keep[s]].tolist(), tau[s][keep[s]].tolist()))
-            for ex, at in zip(exs, tau_at):
-                p, taus = len(ex.prompt), []
-                while p in at:
-                    taus.append(at[p])
-                    p += at[p]
-                out.append(taus)
+        S = self.cfg.batch_seqs
+        return [taus for i in range(0, len(examples), S) for taus in self._walk_batch(list(examples[i : i + S]))]
+
+    def _walk_batch(self, exs: list[Example], states: tuple[Any, Any] | None = None) -> list[list[int]]:
+        """``walk_rounds`` of one batch; ``states``: the target's pass over these sequences
+        (padded as ``_batch`` pads them), one pass serving every pass of anchors."""
+        A = self.cfg.anchors
+        tau_at: list[dict[int, int]] = [{} for _ in exs]
+        for start in range(0, max(len(ex.answer) for ex in exs), A):
+            positions = [range(len(ex.prompt) + start, len(ex.prompt) + start + A) for ex in exs]
+            arrays = self._batch(exs, np.random.default_rng(0), positions)
+            if states is None:
+                states = target_states(self.target, arrays["ids"], self.taps)
+            feats, tlogits = target_side(self.target, arrays, self.taps, states)
+            _, m = dspark_loss(self.model, feats, tlogits, arrays, self.cfg)
+            tau = np.array(m["tau_each"]).round().astype(int)
+            anchors, keep = np.array(arrays["anchors"]), arrays["keep"]
+            for s in range(len(exs)):
+                tau_at[s].update(zip(anchors[s][keep[s]].tolist(), tau[s][keep[s]].tolist()))
+        out = []
+        for ex, at in zip(exs, tau_at):
+            p, taus = len(ex.prompt), []
+            while p in at:
+                taus.append(at[p])
+                p += at[p]
+            out.append(taus)
         return out
 
     def fit(self, *, deadline: float | None = None) -> TrainState:

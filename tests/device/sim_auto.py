@@ -106,11 +106,10 @@ def main() -> int:
     # The calibration a GPU measured for this pair promised ~1.4x at full drafts (its curves
     # priced rounds far below what they cost): an optimistic model the live fit must correct.
     if args.cal == "matched":
-        cal = M.Calibration.synthetic(lambda w: args.sync + args.width_ms * (w - 1), 16, plain_ms=args.step,
-                                      draft=lambda c: args.draft)
+        verify, draft_ms = (lambda w: args.sync + args.width_ms * (w - 1)), args.draft
     else:
-        cal = M.Calibration.synthetic(lambda w: args.step * (1.0 + 0.01 * w), 16, plain_ms=args.step,
-                                      draft=lambda c: 1.0)
+        verify, draft_ms = (lambda w: args.step * (1.0 + 0.01 * w)), 1.0
+    cal = M.Calibration.synthetic(verify, 16, plain_ms=args.step, draft=lambda c: draft_ms)
     for mode in args.modes.split(","):
         drafter = eng.drafter(mode)
         state = None
