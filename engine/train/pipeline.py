@@ -91,7 +91,6 @@ def run_stages(args: argparse.Namespace) -> int:
         generate_stage(engine, args, data, log)
 
     # 3. train
-    # 3. train
     cfg = TrainConfig.from_args(args)
     cfg._steps_given = args.steps is not None
     cfg._fit_steps_to_time = deadline is not None  # at most --steps, as many as the time allows

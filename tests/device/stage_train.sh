@@ -18,6 +18,10 @@
 #   call 4: carry [".devC"]  command: bash .devC/train.sh    (train; ~9.5 min)
 #   call 5 (optional, warm): carry [".devC"]  command: RUN_SECONDS=... bash .devC/extend.sh   (more training)
 #
+# run.sh sends the answers back ($OUT/{train,eval,extra}.jsonl.gz, ~4 MB a session): ANSWERS=<that
+# folder> stages them in .devC. Without call 3, call 4 trains on them; after it, their extras
+# join the new ones (a new SEED samples new ones), so each session's data adds to the last.
+#
 # AFTER_BENCH=1: the same warm hold as a starter benchmark staged by tests/device/stage_bench.sh
 # (PARTS=starter), whose calls already installed the wheels into /root/site and unpacked the
 # GGUF into /root/work: only .devC travels (calls 3-5). Generation knobs: SELF_PROMPTS, SAMPLES,
@@ -60,6 +64,15 @@ gguf_sum=$(sha256sum "$gguf" | cut -d' ' -f1)
   --eval-data "$PROMPTS/mt-bench.jsonl" "$PROMPTS/humaneval.jsonl" "$PROMPTS/math500.jsonl" \
   --eval-prompts-per-file 64 --max-prompt-tokens 1024 >/dev/null
 rm -f .devC/run/train.log
+if [ -n "${ANSWERS:-}" ]; then
+  # Answers from an earlier session (run.sh sends them back): train.sh trains on them when no
+  # run.sh call came first; after one, run.sh adds their extras to the new ones.
+  mkdir -p .devC/answers
+  for f in train eval extra; do
+    test -s "$ANSWERS/$f.jsonl.gz" || { [ $f = extra ] && continue; echo "stage_train: no $ANSWERS/$f.jsonl.gz" >&2; exit 2; }
+    cp "$ANSWERS/$f.jsonl.gz" .devC/answers/
+  done
+fi
 
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
 if [ "$after_bench" = 1 ]; then rm -rf .devA .devB .devD; else
@@ -75,7 +88,8 @@ rd=$(( LIMIT - tree - MARGIN - 8192 )); rd=$(( rd > 0 ? rd : 0 ))
 for d in .devA .devB; do
   if [ $(( tree + $(du -cb $d | tail -1 | cut -f1) )) -ge "$LIMIT" ]; then
     echo "stage_train: the working tree ($(( tree / 1048576 )) MiB) and $d ($(du -sh $d | cut -f1)) exceed one call's 64 MiB;" \
-         "shrink the tree (untracked files count) or stage with tests/device/stage_parts.py" >&2
+         "shrink the tree (untracked files count) or stage the wheels and GGUF with tests/device/stage_bench.sh" \
+         "(PARTS=starter, its calls run with STARTER_BENCH=0) and this script with AFTER_BENCH=1" >&2
     exit 1
   fi
 done
@@ -115,16 +129,21 @@ export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 EOS
 fi
 
-cat > .devC/run.sh <<EOS
-# Assemble the starter GGUF, then generate the training answers within this call's 600 s
-# (bfloat16 target and KV cache: about twice the tokens of float32; float32 if that fails).
-set -uo pipefail
-export PYTHONPATH=/root/site:\$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
+# Assemble the starter GGUF on the device (run.sh and train.sh, whichever comes first).
+cat > .devC/gguf.sh <<EOS
 mkdir -p /root/work
 check() { echo "$gguf_sum  /root/work/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c --quiet - 2>/dev/null; }
 check || cat /root/keep/g.aa /root/keep/g.ab \$(ls /root/keep/g.ad 2>/dev/null) .devC/g.ac | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/root/work/SmolLM2-135M-Instruct.Q4_1.gguf', 'wb'))"
 check || { echo "the starter GGUF is not complete in /root/work" >&2; exit 3; }
 [ -d /root/work/run ] || cp -r .devC/run /root/work/run
+EOS
+
+cat > .devC/run.sh <<EOS
+# Generate the training answers within this call's 600 s (bfloat16 target and KV cache:
+# about twice the tokens of float32; float32 if that fails).
+set -uo pipefail
+export PYTHONPATH=/root/site:\$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
+bash .devC/gguf.sh || exit 3
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gen() {
   python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
@@ -134,7 +153,17 @@ gen() {
     --seed \${SEED:-0} --mirror \$OUT 2>&1 | tee -a \$OUT/run.log
 }
 gen bfloat16 || { rm -f /root/work/run/data/train.jsonl.gz; gen float32; }
-ls -la /root/work/run/data
+d=/root/work/run/data
+if [ -d .devC/answers ]; then
+  # An earlier session's answers: its extras join the new ones (gzip members concatenate); its
+  # greedy answers are the new ones' (same prompts), used only where this call made none.
+  [ -s \$d/train.jsonl.gz ] || cp .devC/answers/train.jsonl.gz .devC/answers/eval.jsonl.gz \$d/
+  [ -s .devC/answers/extra.jsonl.gz ] && cat .devC/answers/extra.jsonl.gz >> \$d/extra.jsonl.gz
+fi
+ls -la \$d
+# The answers come back (a later session can train on them with ANSWERS=..., no generation).
+cp /root/work/run/data/train.jsonl.gz /root/work/run/data/eval.jsonl.gz \$OUT/ 2>/dev/null
+[ -f /root/work/run/data/extra.jsonl.gz ] && cp /root/work/run/data/extra.jsonl.gz \$OUT/
 EOS
 
 # Files come back from $OUT at most 16 MiB each: a larger drafter comes back in parts
@@ -151,6 +180,9 @@ cat > .devC/train.sh <<'EOS'
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TANDEM_CACHE_DIR=/root/work/cache
 TL=$(( ${RUN_SECONDS:-575} - SECONDS ))
+bash .devC/gguf.sh || exit 3
+# ANSWERS=... and no run.sh call before: train on the earlier session's answers.
+[ -s /root/work/run/data/train.jsonl.gz ] || cp .devC/answers/*.jsonl.gz /root/work/run/data/
 python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \
   --stages train --layers 2 --block-size 7 --markov-rank 16 --intermediate-size ${INTER:-0} \
   --batch-seqs ${BATCH:-32} --anchors ${ANCHORS:-128} --lr ${LR:-6e-4} --val-seqs 96 --eval-every 500 \
