@@ -1,7 +1,7 @@
-"""Skinny float32 matmuls (1 to 8 rows times a weight matrix) without OpenBLAS's gemm packing.
+"""Skinny float32 matmuls (1 to 16 rows times a weight matrix) without OpenBLAS's gemm packing.
 
 MLX's CPU backend sends every float32 matmul to ``cblas_sgemm``: a decode step (1 row) and a
-verify round (2-9 rows) included. OpenBLAS's gemm packs each weight panel before multiplying,
+verify round (2-17 rows) included. OpenBLAS's gemm packs each weight panel before multiplying,
 so for a few rows it moves the weights twice and reads them at 3-5 GB/s, where a plain stream
 reaches 10-15 GB/s on the same machine (OpenBLAS forwards gemm to gemv itself only on ARM64,
 RISC-V and POWER). SmolLM2-135M's step is 211 such products over 540 MB of weights.
@@ -10,13 +10,15 @@ The fix sits at the symbol MLX already resolves through the process's global sco
 OpenBLAS preload does: a small C library exporting ``cblas_sgemm`` that sends
 
 * 1-row products to OpenBLAS's ``cblas_sgemv`` (multi-threaded, streams the weights once);
-* 2-8-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loop, which
-  reads each weight row once for all rows (16-lane dot products, vectorized for this CPU, two
-  weight rows at a time, the next ones prefetched), its output columns split over as many
-  threads as OpenBLAS uses (a small pool that polls briefly, then sleeps; a product under
-  ~128 KB of weights stays on the calling thread). Every output element is computed by the same
-  code whichever thread gets it, so a split product is bit-identical to the one-thread loop;
-* everything else (prefill, wide verifies, other layouts) to OpenBLAS's ``cblas_sgemm``.
+* 2-16-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loops, which
+  read each weight row once for all rows (16-lane dot products, vectorized for this CPU, two
+  weight rows at a time; up to 5 rows all at once with the next weight rows prefetched, from 6
+  in register-sized tiles over each weight pair, the same sums), their output columns split
+  over as many threads as OpenBLAS uses (a small pool that polls briefly, then sleeps; a product
+  under ~128 KB of weights stays on the calling thread). Every output element is computed by the
+  same code whichever thread gets it, so a split product is bit-identical to the one-thread loop;
+* everything else (prefill, verifies of more than 16 rows, other layouts) to OpenBLAS's
+  ``cblas_sgemm``.
 
 It is compiled once with the system C compiler (MLX's CPU ``mx.compile`` needs one too; the
 build is keyed on this CPU's flags since it uses ``-march=native``) into Tandem's cache folder,
@@ -44,7 +46,7 @@ from pathlib import Path
 
 from engine.paths import cache_root
 
-MAX_ROWS = 8  # the own loop's limit; from 9 rows gemm's packing pays for itself
+MAX_ROWS = 16  # the own loops' limit (a DFlash block's verify); wider, gemm's packing pays for itself
 MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
 SOURCE = r"""
@@ -64,7 +66,7 @@ static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
-enum { MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
+enum { MAX_ROWS = 16, MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
        SPINS = 500,                          /* polls before a thread sleeps: a few microseconds */
        AHEAD = 4 };                          /* columns of b prefetched ahead of the one in use */
 
@@ -120,6 +122,58 @@ static inline void rows_nt(const int M, int n, int k, const float *restrict a, i
   }
 }
 
+/* From 6 rows, rows_nt's sums no longer fit the registers: the same sums in tiles of R <= 2 rows
+   times C <= 2 columns (each column pair stays in L1 while every row pair passes over it). Each
+   c[i, j] is summed exactly as rows_nt sums it (16 lanes along k as two 8-wide vectors, the lanes
+   in order, then the k tail), so a row's result is the same in any 2-16-row product. */
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline __attribute__((always_inline)) void tile_nt(const int R, const int C, int k,
+    const float *restrict a, int lda, const float *restrict b, int ldb, float beta, float *restrict c, int ldc) {
+  v8 lo[2][2], hi[2][2];
+#pragma GCC unroll 2
+  for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+    for (int q = 0; q < C; q++) lo[r][q] = hi[r][q] = (v8){0};
+  int p = 0;
+  for (; p + LANES <= k; p += LANES) {
+    v8 wl[2], wh[2];
+#pragma GCC unroll 2
+    for (int q = 0; q < C; q++) { wl[q] = ld8(b + (size_t)q * ldb + p); wh[q] = ld8(b + (size_t)q * ldb + p + 8); }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++) {
+      v8 xl = ld8(a + (size_t)r * lda + p), xh = ld8(a + (size_t)r * lda + p + 8);
+#pragma GCC unroll 2
+      for (int q = 0; q < C; q++) { lo[r][q] += xl * wl[q]; hi[r][q] += xh * wh[q]; }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int q = 0; q < C; q++) {
+      const float *ai = a + (size_t)r * lda, *bj = b + (size_t)q * ldb;
+      float sum = 0.0f, tail = 0.0f;
+      for (int t = p; t < k; t++) tail += ai[t] * bj[t];
+      for (int l = 0; l < 8; l++) sum += lo[r][q][l];
+      for (int l = 0; l < 8; l++) sum += hi[r][q][l];
+      float *cij = c + (size_t)r * ldc + q;
+      *cij = beta == 0.0f ? sum + tail : sum + tail + beta * *cij;
+    }
+}
+
+static inline __attribute__((always_inline)) void row_pairs(const int C, int m, int k, const float *a, int lda,
+    const float *b, int ldb, float beta, float *c, int ldc) {
+  int i = 0;
+  for (; i + 2 <= m; i += 2) tile_nt(2, C, k, a + (size_t)i * lda, lda, b, ldb, beta, c + (size_t)i * ldc, ldc);
+  if (m - i == 1) tile_nt(1, C, k, a + (size_t)i * lda, lda, b, ldb, beta, c + (size_t)i * ldc, ldc);
+}
+
+static void grouped_nt(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
+                       float *c, int ldc) {
+  int j = 0;
+  for (; j + 2 <= n; j += 2) row_pairs(2, m, k, a, lda, b + (size_t)j * ldb, ldb, beta, c + j, ldc);
+  if (j < n) row_pairs(1, m, k, a, lda, b + (size_t)j * ldb, ldb, beta, c + j, ldc);
+}
+
 static void loop_rows(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
                       float *c, int ldc) {
   switch (m) {
@@ -127,9 +181,7 @@ static void loop_rows(int m, int n, int k, const float *a, int lda, const float 
     case 3: rows_nt(3, n, k, a, lda, b, ldb, beta, c, ldc); break;
     case 4: rows_nt(4, n, k, a, lda, b, ldb, beta, c, ldc); break;
     case 5: rows_nt(5, n, k, a, lda, b, ldb, beta, c, ldc); break;
-    case 6: rows_nt(6, n, k, a, lda, b, ldb, beta, c, ldc); break;
-    case 7: rows_nt(7, n, k, a, lda, b, ldb, beta, c, ldc); break;
-    case 8: rows_nt(8, n, k, a, lda, b, ldb, beta, c, ldc); break;
+    default: grouped_nt(m, n, k, a, lda, b, ldb, beta, c, ldc);
   }
 }
 
@@ -257,7 +309,7 @@ static int start_workers(int want) { /* called holding pool_busy */
 
 static int few_rows(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
                     float *c, int ldc) {
-  if (m < 2 || m > 8) return 0;
+  if (m < 2 || m > MAX_ROWS) return 0;
   size_t work = (size_t)n * (size_t)k;
   int parts = threads;
   if (work / MIN_SPLIT < (size_t)parts) parts = (int)(work / MIN_SPLIT);
@@ -374,14 +426,15 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 
 def self_test(skinny, real_sgemm) -> str:
-    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-8 rows,
+    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-16 rows,
     both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
     tail. '' when every result is within float32 rounding of gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
     rng = random.Random(0)
     for m, n, k, trans_b, beta in ((1, 37, 19, TRANS, 0.0), (1, 37, 19, NO_TRANS, 1.0), (1, 50, 33, TRANS, 1.0),
                                    (2, 37, 19, TRANS, 0.0), (3, 21, 48, TRANS, 1.0), (5, 9, 35, TRANS, 0.0),
-                                   (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0)):
+                                   (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0),
+                                   (6, 33, 50, TRANS, 1.0), (13, 9, 40, TRANS, 0.0), (16, 20, 35, TRANS, 0.0)):
         lda, ldc = k + 3, n + 2  # strided rows
         ldb = k if trans_b == TRANS else n
         a, b = _floats(rng, m * lda), _floats(rng, n * k)
