@@ -63,6 +63,7 @@ CUT_TOKENS = 48  # new tokens per shipped prompt in the confidence trace
 WARM_PLAIN = 3  # plain steps opening each auto request: the plain step at this context, timed
 REMEASURES = 2  # extra measurements of a curve a contention burst bent
 BENT = 1.25  # a narrower forward costing this much more than a wider one: a burst, not the machine
+AGREE = 0.10  # two measurements of a curve this close everywhere: what the machine does
 
 Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
@@ -282,13 +283,19 @@ def bent(ms: Sequence[float], tolerance: float = BENT) -> bool:
 def steady_curve(measure_once: Callable[[], list[float]], remeasures: int = REMEASURES,
                  on_remeasure: Callable[[], None] = lambda: None) -> list[float]:
     """``measure_once()`` again while its curve is bent (at most ``remeasures`` more times),
-    keeping each point's cheapest median: contention only adds time."""
+    keeping each point's cheapest median: contention only adds time. A measurement that repeats
+    the last one within ``AGREE`` everywhere ends it: the bend is the machine's own (a kernel
+    switch between widths), not a burst."""
     curve = measure_once()
     for _ in range(remeasures):
         if not bent(curve):
             break
         on_remeasure()
-        curve = [min(a, b) for a, b in zip(curve, measure_once())]
+        again = measure_once()
+        repeats = all(abs(a - b) <= AGREE * min(a, b) for a, b in zip(curve, again))
+        curve = [min(a, b) for a, b in zip(curve, again)]
+        if repeats:
+            break
     return curve
 
 

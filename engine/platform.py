@@ -4,7 +4,7 @@
 anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
 OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
 (dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
-Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-8 rows (a decode
+Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-12 rows (a decode
 step, a verify round): OpenBLAS's gemm packs the weights first and is 2-3x slower there.
 """
 

@@ -1,4 +1,4 @@
-"""Skinny float32 matmuls (1 to 16 rows times a weight matrix) without OpenBLAS's gemm packing.
+"""Skinny float32 matmuls (1 to 12 rows times a weight matrix) without OpenBLAS's gemm packing.
 
 MLX's CPU backend sends every float32 matmul to ``cblas_sgemm``: a decode step (1 row) and a
 verify round (2-17 rows) included. OpenBLAS's gemm packs each weight panel before multiplying,
@@ -10,14 +10,15 @@ The fix sits at the symbol MLX already resolves through the process's global sco
 OpenBLAS preload does: a small C library exporting ``cblas_sgemm`` that sends
 
 * 1-row products to OpenBLAS's ``cblas_sgemv`` (multi-threaded, streams the weights once);
-* 2-16-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loops, which
+* 2-12-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loops, which
   read each weight row once for all rows (16-lane dot products, vectorized for this CPU, two
   weight rows at a time; up to 5 rows all at once with the next weight rows prefetched, from 6
   in register-sized tiles over each weight pair, the same sums), their output columns split
   over as many threads as OpenBLAS uses (a small pool that polls briefly, then sleeps; a product
   under ~128 KB of weights stays on the calling thread). Every output element is computed by the
   same code whichever thread gets it, so a split product is bit-identical to the one-thread loop;
-* everything else (prefill, verifies of more than 16 rows, other layouts) to OpenBLAS's
+* everything else (prefill, verifies of more than 12 rows, other layouts: from 13-14
+  rows OpenBLAS's gemm kernels catch up and pass the own loops on this CPU) to OpenBLAS's
   ``cblas_sgemm``.
 
 It is compiled once with the system C compiler (MLX's CPU ``mx.compile`` needs one too; the
@@ -46,7 +47,7 @@ from pathlib import Path
 
 from engine.paths import cache_root
 
-MAX_ROWS = 16  # the own loops' limit (a DFlash block's verify); wider, gemm's packing pays for itself
+MAX_ROWS = 12  # the own loops' limit; wider, gemm's packing pays for itself (14-16 rows: gemm 10-30 % faster)
 MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
 SOURCE = r"""
@@ -66,7 +67,7 @@ static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
-enum { MAX_ROWS = 16, MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
+enum { MAX_ROWS = 12, MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
        SPINS = 500,                          /* polls before a thread sleeps: a few microseconds */
        AHEAD = 4 };                          /* columns of b prefetched ahead of the one in use */
 
@@ -125,7 +126,7 @@ static inline void rows_nt(const int M, int n, int k, const float *restrict a, i
 /* From 6 rows, rows_nt's sums no longer fit the registers: the same sums in tiles of R <= 2 rows
    times C <= 2 columns (each column pair stays in L1 while every row pair passes over it). Each
    c[i, j] is summed exactly as rows_nt sums it (16 lanes along k as two 8-wide vectors, the lanes
-   in order, then the k tail), so a row's result is the same in any 2-16-row product. */
+   in order, then the k tail), so a row's result is the same in any 2-12-row product. */
 typedef float v8 __attribute__((vector_size(32)));
 static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 
@@ -426,7 +427,7 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 
 def self_test(skinny, real_sgemm) -> str:
-    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-16 rows,
+    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-12 rows,
     both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
     tail. '' when every result is within float32 rounding of gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
@@ -434,7 +435,7 @@ def self_test(skinny, real_sgemm) -> str:
     for m, n, k, trans_b, beta in ((1, 37, 19, TRANS, 0.0), (1, 37, 19, NO_TRANS, 1.0), (1, 50, 33, TRANS, 1.0),
                                    (2, 37, 19, TRANS, 0.0), (3, 21, 48, TRANS, 1.0), (5, 9, 35, TRANS, 0.0),
                                    (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0),
-                                   (6, 33, 50, TRANS, 1.0), (13, 9, 40, TRANS, 0.0), (16, 20, 35, TRANS, 0.0)):
+                                   (6, 33, 50, TRANS, 1.0), (11, 9, 40, TRANS, 0.0), (12, 20, 35, TRANS, 0.0)):
         lda, ldc = k + 3, n + 2  # strided rows
         ldb = k if trans_b == TRANS else n
         a, b = _floats(rng, m * lda), _floats(rng, n * k)

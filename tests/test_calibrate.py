@@ -186,31 +186,38 @@ def test_bent_curves_are_told_from_steady_ones():
     assert C.bent([10.0, 13.0, 20.0, 15.0]) and not C.bent([10.0, 13.0, 16.0, 15.0])
 
 
-@pytest.mark.parametrize("attempts", [[0, 1], [0, 0, 0], [1]])
-def test_a_curve_bent_by_contention_is_measured_again(attempts, cache_dir, monkeypatch):
+@pytest.mark.parametrize("attempts, calls, result", [
+    ("steady", 1, "steady"),
+    ("burst steady", 2, "steady"),  # each width keeps its cheaper median (the widest's too)
+    ("burst burst", 2, "burst"),  # bent the same way twice: the machine's own curve
+    ("burst other burst", 1 + C.REMEASURES, "min"),  # bursts every time: at most REMEASURES more
+])
+def test_a_curve_bent_by_contention_is_measured_again(attempts, calls, result, cache_dir, monkeypatch):
     """A burst during the verify curve (width 1 dearer than width 2, the widest slowed too) gets
-    the curve measured again, each width keeping its cheaper median, at most REMEASURES times;
-    a steady curve is measured once. The progress bar still ends full."""
+    the curve measured again; the progress bar still ends full."""
     eng = make_tiny_engine(hidden=128, vocab=512)
     widths = C.width_grid(33)
     steady = [10.0 + w for w in widths]
     burst = [30.0] + steady[1:-1] + [90.0]
-    curves = [burst if a == 0 else steady for a in attempts]
-    calls = []
+    other = [28.0] + steady[1:4] + [40.0] + steady[5:-1] + [80.0]
+    curves = {"steady": steady, "burst": burst, "other": other}
+    sequence = [curves[name] for name in attempts.split()]
+    measured = []
 
     def measure_verify(target, cache, ids, ws, passes, tick=lambda: None):
         assert list(ws) == widths
-        calls.append(1)
+        measured.append(1)
         for _ in range((passes + 1) * len(ws)):
             tick()
-        return list(curves[min(len(calls), len(curves)) - 1])
+        return list(sequence[min(len(measured), len(sequence)) - 1])
 
     monkeypatch.setattr(C, "measure_verify", measure_verify)
     seen = []
     cal = C.calibrate(eng, "lookup", progress=lambda d, t, s: seen.append((d, t)), passes=1,
                       overhead_rounds=4, context=128)
-    assert len(calls) == min(len(attempts), 1 + C.REMEASURES)
-    assert cal.verify_ms == (burst if attempts == [0, 0, 0] else steady)
+    assert len(measured) == calls
+    want = [min(values) for values in zip(*sequence)] if result == "min" else curves[result]
+    assert cal.verify_ms == want and (result != "min" or C.bent(want))
     assert seen[-1][0] == seen[-1][1] and all(d <= t for d, t in seen)
 
 
