@@ -67,7 +67,7 @@ static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
-enum { MAX_ROWS = 12, MAX_THREADS = 8, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
+enum { MAX_ROWS = @MAX_ROWS@, MAX_THREADS = @MAX_THREADS@, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
        SPINS = 500,                          /* polls before a thread sleeps: a few microseconds */
        AHEAD = 4 };                          /* columns of b prefetched ahead of the one in use */
 
@@ -359,7 +359,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
   }
   real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
-"""
+""".replace("@MAX_ROWS@", str(MAX_ROWS)).replace("@MAX_THREADS@", str(MAX_THREADS))  # one value for both sides
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 _INT = ctypes.c_int
