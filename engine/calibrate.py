@@ -183,7 +183,7 @@ def key_fields(engine: EngineLike, mode: str, drafter: Drafter, context: int = C
 
     return {
         "schema": SCHEMA, "device": platform.device_name(), "mlx": mx.__version__,
-        "backend": platform.backend() + ("+skinny" if platform.skinny_active() else ""),  # cheaper narrow forwards
+        "backend": "+".join(filter(None, (platform.backend(), platform.skinny_label()))),  # cheaper narrow forwards
         "precision": model_precision(engine.target.model), "target": _target_id(engine),
         "drafter": _drafter_id(engine, mode, drafter), "context": context,
     }
