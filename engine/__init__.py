@@ -17,7 +17,7 @@ Three layers; imports point down only (``tests/test_layout.py`` checks it):
 
 Importing the package preloads OpenBLAS on Linux (when installed) so that MLX's CPU backend
 uses it instead of the reference BLAS its wheel ships, with ``skinny_gemm`` in front of it for
-products of 1-32 rows; this must happen before the first ``import mlx.core`` anywhere in the process.
+products of 1-14 rows; this must happen before the first ``import mlx.core`` anywhere in the process.
 """
 
 from engine import platform as _platform

@@ -4,7 +4,7 @@
 anything imports ``mlx.core``. The ``mlx-cpu`` wheel links the netlib reference BLAS; loading
 OpenBLAS into the global symbol scope first makes MLX's ``cblas_sgemm`` calls resolve to it
 (dense float32 prefill goes from ~15 to ~350 tok/s on SmolLM2-135M, see spec/models.md §4).
-Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-32 rows (a decode
+Ahead of OpenBLAS goes ``engine.skinny_gemm``, which takes over products of 1-14 rows (a decode
 step, a verify round): OpenBLAS's gemm packs the weights first and is 2-3x slower there.
 """
 
@@ -34,7 +34,7 @@ OPENCV_OPENBLAS_GLOB = "opencv_python.libs/libopenblasp-r0-*.so*"
 @dataclass(frozen=True)
 class BlasStatus:
     """What ``preload_blas`` did. ``state`` is one of: preloaded, already-mapped, late,
-    not-found, disabled, failed, not-linux. ``skinny``: "on" when 1-32-row matmuls bypass
+    not-found, disabled, failed, not-linux. ``skinny``: "on" when 1-14-row matmuls bypass
     OpenBLAS's gemm (``engine.skinny_gemm``), else "off: <why>"."""
 
     state: str
@@ -133,7 +133,7 @@ def _install_skinny(openblas_path: str) -> str:
 
 
 def skinny_active() -> bool:
-    """Whether 1-32-row matmuls bypass OpenBLAS's gemm right now (costs differ: calibrations key on it)."""
+    """Whether 1-14-row matmuls bypass OpenBLAS's gemm right now (costs differ: calibrations key on it)."""
     return _SKINNY_HANDLE is not None and bool(_SKINNY_HANDLE.tandem_skinny_enabled())
 
 
@@ -157,7 +157,7 @@ def skinny_matmuls(on: bool) -> bool:
 
 
 def skinny_threads(count: int = 0) -> int:
-    """The threads a 1-32-row product is split over (``count`` > 0 sets it, at most 8; benchmarks
+    """The threads a 1-14-row product is split over (``count`` > 0 sets it, at most 8; benchmarks
     and tests compare counts in one process). 0 where the skinny matmuls were not installed."""
     if _SKINNY_HANDLE is None:
         return 0

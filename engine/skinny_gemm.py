@@ -1,7 +1,7 @@
-"""Skinny float32 matmuls (1 to 32 rows times a weight matrix) without OpenBLAS's gemm packing.
+"""Skinny float32 matmuls (1 to 14 rows times a weight matrix) without OpenBLAS's gemm packing.
 
 MLX's CPU backend sends every float32 matmul to ``cblas_sgemm``: a decode step (1 row) and a
-verify round (2-33 rows) included. OpenBLAS's gemm packs each weight panel before multiplying,
+verify round (2 or more rows) included. OpenBLAS's gemm packs each weight panel before multiplying,
 so for a few rows it moves the weights twice and reads them at 3-5 GB/s, where a plain stream
 reaches 10-15 GB/s on the same machine (OpenBLAS forwards gemm to gemv itself only on ARM64,
 RISC-V and POWER). SmolLM2-135M's step is 211 such products over 540 MB of weights.
@@ -9,17 +9,17 @@ RISC-V and POWER). SmolLM2-135M's step is 211 such products over 540 MB of weigh
 The fix sits at the symbol MLX already resolves through the process's global scope, the way the
 OpenBLAS preload does: a small C library exporting ``cblas_sgemm`` that sends
 
-* 1-32-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loops: tiles
+* 1-14-row products ``a @ b.T`` (every ``nn.Linear`` and the tied head) to its own loops: tiles
   of up to 12 rows times 2-8 weight rows whose sums stay in vector registers (sized for AVX-512,
   AVX2 or ARM64 at build time), each weight row read from memory once for all rows, the next
   tiles prefetched; each dot product summed in 16 lanes, then the lanes in order, whatever the
-  tile, so a row's result is bit-identical in any 1-32-row product: a decode step's row and the
+  tile, so a row's result is bit-identical in any 1-14-row product: a decode step's row and the
   same row inside a verify get the same matmul sums. Output columns are split over as many
   threads as OpenBLAS uses (a small pool that polls briefly, then sleeps; a product under ~128 KB
   of weights stays on the calling thread); every output element is computed by the same code
   whichever thread gets it, so a split product is bit-identical to the one-thread loop;
 * other 1-row layouts to OpenBLAS's ``cblas_sgemv``;
-* everything else (prefill, verifies of more than 32 rows, other layouts) to OpenBLAS's
+* everything else (prefill, verifies of more than 14 rows, other layouts) to OpenBLAS's
   ``cblas_sgemm``.
 
 It is compiled once with the system C compiler (MLX's CPU ``mx.compile`` needs one too; the
@@ -48,7 +48,7 @@ from pathlib import Path
 
 from engine.paths import cache_root
 
-MAX_ROWS = 32  # the own loops' limit (at 32 rows OpenBLAS's gemm is about as fast)
+MAX_ROWS = 14  # the own loops' limit: in a whole forward OpenBLAS's gemm is as fast from 16 rows, 15-20 % faster at 32
 MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
 SOURCE = r"""
@@ -444,7 +444,7 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 
 def self_test(skinny, real_sgemm) -> str:
-    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-32 rows,
+    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-14 rows,
     both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
     tail. '' when every result is within float32 rounding of gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
@@ -453,7 +453,7 @@ def self_test(skinny, real_sgemm) -> str:
                                    (2, 37, 19, TRANS, 0.0), (3, 21, 48, TRANS, 1.0), (5, 9, 35, TRANS, 0.0),
                                    (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0),
                                    (6, 33, 50, TRANS, 1.0), (11, 9, 40, TRANS, 0.0), (12, 20, 35, TRANS, 0.0),
-                                   (13, 11, 40, TRANS, 1.0), (25, 19, 33, TRANS, 0.0), (32, 10, 17, TRANS, 0.0)):
+                                   (13, 11, 40, TRANS, 1.0), (14, 19, 33, TRANS, 0.0), (13, 10, 17, TRANS, 0.0)):
         lda, ldc = k + 3, n + 2  # strided rows
         ldb = k if trans_b == TRANS else n
         a, b = _floats(rng, m * lda), _floats(rng, n * k)

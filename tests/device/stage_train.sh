@@ -15,6 +15,8 @@
 #           (installs; the train tests on a tiny random target, on the GPU; SMOKE=0 skips them)
 #   (when the script made .devD: carry [".devD"]  command: bash .devD/keep.sh, before call 3)
 #   call 3: carry [".devC"]  command: bash .devC/run.sh      (generate the answers; ~9 min)
+#           (GEN_SECONDS, default 500, bounds the generation itself: the call takes ~60 s more for
+#           the model load and the wave running at the deadline; a shorter call timeout loses it all)
 #   call 4: carry [".devC"]  command: bash .devC/train.sh    (train; ~9.5 min)
 #   call 5 (optional, warm): carry [".devC"]  command: RUN_SECONDS=... bash .devC/extend.sh   (more training)
 #

@@ -2,7 +2,7 @@
 CPU-step work buys: the starter model (SmolLM2-135M, dense float32 + OpenBLAS), one process,
 arms interleaved, medians over repeats.
 
-    PYTHONPATH=$PWD .venv/bin/python tests/peer/cpu_step.py [--tokens 64] [--repeats 5]
+    PYTHONPATH=$PWD .venv/bin/python tests/peer/cpu_step.py [--tokens 64] [--repeats 5] [--context 400]
 
 Tables:
 1. plain greedy decoding, tok/s and share of the memory roofline (engine/roofline.py): Tandem's
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--context", type=int, default=100, help="tokens of context for the verify-cost curve")
     p.add_argument("--tables", default="1234", help="which tables to print, e.g. 3 for the verify-cost curve")
     args = p.parse_args(argv)
 
@@ -173,7 +174,7 @@ def verify_curve(eng, args, configure) -> None:
     widths = (1, 2, 3, 4, 6, 8, 9, 16)
     threads = platform.skinny_threads()
     arms = {f"skinny x{threads}": (True, threads), "skinny x1": (True, 1), "gemm": (False, threads)}
-    long_prompt = eng.encode(CHAT * 6)
+    long_prompt = eng.encode(CHAT * (1 + args.context // 12))[-args.context:]
     cache = target.new_cache()
     target.prefill(long_prompt, cache)
     curve: dict[tuple[int, str], list[float]] = {}
