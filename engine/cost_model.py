@@ -305,7 +305,8 @@ class CapController:
     * Costs: the calibrated curve, corrected live. Round times (``observe``'s seconds, emit to
       emit) are fit as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a
       plain step, by decayed least squares shrunk toward the calibration. Plain steps (pipelined
-      runs) are timed on their own: cap 0 is priced at the realized plain step.
+      runs, each run's first and last step apart) are timed on their own: cap 0 is priced at
+      the realized plain step.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
       ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds,
       and forced, checked after every round, when the rounds since the last unparking (or
@@ -371,6 +372,7 @@ class CapController:
         self._cheap_probe = False  # the probe in flight was one
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
+        self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
         self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
         self._last_cap = 0
         self.history: list[int] = []  # cap returned per round (telemetry, tests)
@@ -444,6 +446,7 @@ class CapController:
             cap = 0 if st.parked else int(st.cap)
         if cap == 0:
             self._run_pos = 0  # a run of plain steps starts
+        self._pending_plain = 0.0  # the last step of the run before: not timed
         self._last_cap = cap
         self.history.append(cap)
         return cap
@@ -478,9 +481,14 @@ class CapController:
             if st.parked:
                 st.since_probe += 1
                 self._since_cheap += 1
-            if not self.seeded and seconds > 0 and self._run_pos > 0:  # the first one fills the pipeline
-                keep = 1.0 - self.plain_decay
-                st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + seconds * 1000.0]
+            # A run's first step fills the pipeline, and its last may come out already done (on the
+            # CPU backend reading a token waits for the step queued behind it too: a 3-step run
+            # reads 2 steps, 1, ~0): only the steps between are timed, each once the next is seen.
+            if not self.seeded and seconds > 0:
+                if self._run_pos >= 2 and self._pending_plain > 0:
+                    keep = 1.0 - self.plain_decay
+                    st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + self._pending_plain]
+                self._pending_plain = seconds * 1000.0 if self._run_pos >= 1 else 0.0
             self._run_pos += 1
             return
         self._run_pos = 0

@@ -698,3 +698,24 @@ def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes(
         k = seeded.cap()
         seeded.observe(k, k, 0.001)
     assert seeded.state.parked  # seeded: timings never move it (the curves say plain steps win)
+
+
+@pytest.mark.parametrize("run_ms", [[2.0, 1.0, 1.0, 0.02], [1.3, 1.0, 1.0, 1.0]], ids=["cpu", "gpu"])
+def test_plain_steps_are_timed_without_a_run_first_and_last_step(run_ms):
+    """A run of pipelined plain steps on the CPU backend reads 2 steps, 1, 1, ~0 (reading a
+    token waits for the step queued behind it too, so the last comes out already done); on a
+    GPU the first fills the pipeline. Either way the plain step is the middle steps' 1 ms:
+    counting the last would price plain steps at half their cost and park a winning drafter."""
+    cal = M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0)
+    state = M.LearnedState()
+    ctrl = M.CapController(cal, 8, state=state, warm_plain=4)
+    for _ in range(5):  # five requests' warm runs, a round after each
+        state.shrink()
+        ctrl._warm = 4
+        assert ctrl.cap() == 0 and ctrl.plain_run() == 4
+        for ms in run_ms:
+            ctrl.observe(0, 0, ms / 1000.0)
+        assert ctrl.cap() > 0
+        ctrl.observe(2, 2, 0.002)
+    assert state.plain[0] > 0 and state.plain[1] / state.plain[0] == pytest.approx(1.0)
+    assert ctrl.plain_ms() == pytest.approx(1.0)
