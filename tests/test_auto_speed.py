@@ -708,10 +708,9 @@ def test_plain_steps_are_timed_without_a_run_first_and_last_step(run_ms):
     counting the last would price plain steps at half their cost and park a winning drafter."""
     cal = M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0)
     state = M.LearnedState()
-    ctrl = M.CapController(cal, 8, state=state, warm_plain=4)
-    for _ in range(5):  # five requests' warm runs, a round after each
+    for _ in range(5):  # five requests (a controller each, the state carried over): warm steps, a round
         state.shrink()
-        ctrl._warm = 4
+        ctrl = M.CapController(cal, 8, state=state, warm_plain=4)
         assert ctrl.cap() == 0 and ctrl.plain_run() == 4
         for ms in run_ms:
             ctrl.observe(0, 0, ms / 1000.0)
