@@ -488,7 +488,7 @@ class CapController:
                 if self._run_pos >= 2 and self._pending_plain > 0:
                     keep = 1.0 - self.plain_decay
                     st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + self._pending_plain]
-                self._pending_plain = seconds * 1000.0 if self._run_pos >= 1 else 0.0
+                self._pending_plain = seconds * 1000.0  # the first's is replaced before it could count
             self._run_pos += 1
             return
         self._run_pos = 0

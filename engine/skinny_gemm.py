@@ -444,7 +444,7 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 
 def self_test(skinny, real_sgemm) -> str:
-    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-14 rows,
+    """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-MAX_ROWS rows,
     both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
     tail. '' when every result is within float32 rounding of gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
@@ -453,7 +453,7 @@ def self_test(skinny, real_sgemm) -> str:
                                    (2, 37, 19, TRANS, 0.0), (3, 21, 48, TRANS, 1.0), (5, 9, 35, TRANS, 0.0),
                                    (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0),
                                    (6, 33, 50, TRANS, 1.0), (11, 9, 40, TRANS, 0.0), (12, 20, 35, TRANS, 0.0),
-                                   (13, 11, 40, TRANS, 1.0), (14, 19, 33, TRANS, 0.0), (13, 10, 17, TRANS, 0.0)):
+                                   (13, 11, 40, TRANS, 1.0), (MAX_ROWS, 19, 33, TRANS, 0.0), (13, 10, 17, TRANS, 0.0)):
         lda, ldc = k + 3, n + 2  # strided rows
         ldb = k if trans_b == TRANS else n
         a, b = _floats(rng, m * lda), _floats(rng, n * k)
