@@ -39,6 +39,7 @@ MAX_BUDGET_GAP = 1024  # ... unless that needs a longer gap than this (a few req
 CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rounds / 2 rounds
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
+CLEAR_WIN = 1.3  # the last request's latest rounds beat timed plain steps this much: the next skips its warm steps
 
 
 # ===================================================================== the calibration record
@@ -239,6 +240,7 @@ class LearnedState:
     cost: list[float] = field(default_factory=lambda: [0.0] * 5)  # W, Wg, Wgg, Ws, Wgs
     plain: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed (steps, ms) of plain steps
     realized: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # rounds, tokens, ms since unparking
+    last_spell: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # ``realized`` as the last request ended
     probes: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # decayed probes, their tokens, ms
     probe_gap: int = PROBE_GAP
     since_probe: int = 0  # parked plain steps since the last probe, across requests
@@ -253,6 +255,7 @@ class LearnedState:
         self.tried_at = [x * factor for x in self.tried_at]
         self.cost = [x * factor for x in self.cost]
         self.plain = [x * factor for x in self.plain]
+        self.last_spell = [0.0, 0.0, 0.0] if self.parked else self.realized
         self.realized = [0.0, 0.0, 0.0]  # new content: a spell is judged on its own rounds
         self.probes = [x * factor for x in self.probes]
         # A parked request probes at its start (new content may pay) and again within a short
@@ -332,7 +335,8 @@ class CapController:
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
     * ``warm_plain``: plain steps that open each request (unseeded), timing plain steps at this
-      context before the first round.
+      context before the first round; skipped when the last request's latest rounds beat plain
+      steps timed lately by ``CLEAR_WIN``.
 
     The cap only decides how many drafts are verified, never what is committed: lossless.
     """
@@ -373,7 +377,8 @@ class CapController:
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
-        self._warm = 0 if seeded else warm_plain  # plain steps that open a request: its plain cost, live
+        # plain steps that open a request: its plain cost, live (not after a clear win)
+        self._warm = 0 if seeded or self._clear_win() else warm_plain
         self._last_cap = 0
         self.history: list[int] = []  # cap returned per round (telemetry, tests)
         if self.state.cap is None or self.state.cap > self.max_cap:
@@ -410,6 +415,17 @@ class CapController:
         det = a * d - b * b
         c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
         return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.02), 10.0)
+
+    def _clear_win(self) -> bool:
+        """The last request's latest rounds (``min_rounds`` / 2 at least) beat plain steps timed live on
+        earlier requests by ``CLEAR_WIN``: this request speculates from its first step. Warm plain
+        steps cost a short answer several percent (4 tokens at a plain step each where a round
+        commits 2-3); where rounds lose or win narrowly, or no plain step was timed lately, they
+        stay, and ``_losing`` still parks a spell that loses."""
+        rounds, tokens, ms = self.state.last_spell
+        if self.state.parked or rounds < self.min_rounds // 2 or ms <= 0 or self.state.plain[0] < 0.5:
+            return False
+        return tokens / ms * self.plain_ms() >= CLEAR_WIN
 
     def plain_ms(self) -> float:
         """One plain step: the realized pipelined steps, shrunk toward the calibration."""

@@ -181,16 +181,46 @@ def test_each_request_is_judged_on_its_own_rounds(eng):
     pays = M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0, draft=lambda c: 0.5)
     state = M.LearnedState()
     good = Oracle(ref)
-    ctrl = M.CapController(pays, good.max_draft, state=state, warm_plain=3)
+    ctrl = M.CapController(pays, good.max_draft, state=state, warm_plain=C.WARM_PLAIN)
     run_auto(eng, good, ctrl, CostClock(eng.target, good, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5))
     assert not state.parked
     state.shrink()
     bad = Oracle(ref, right_from=10 ** 6)
-    ctrl = M.CapController(pays, bad.max_draft, state=state, warm_plain=3)
+    ctrl = M.CapController(pays, bad.max_draft, state=state, warm_plain=C.WARM_PLAIN)
     tokens, stats = run_auto(eng, bad, ctrl, CostClock(eng.target, bad, step=1.0, verify=lambda w: 1.5, draft=3.0))
     assert tokens == ref
     caps = stats.caps[1:]
-    assert sum(1 for c in caps[: caps.index(0, 3)] if c > 0) <= M.SURE_ROUNDS
+    assert caps[0] > 0  # after a clear win the request speculates from its first step (no warm plain steps)
+    assert sum(1 for c in caps[: caps.index(0)] if c > 0) <= M.SURE_ROUNDS
+
+
+def test_warm_plain_steps_are_skipped_only_after_a_clear_win(eng):
+    """Warm plain steps open a request unless the last one's latest rounds beat plain steps
+    timed lately by CLEAR_WIN: after a clear win the next request drafts from its first step;
+    after a narrow win, a parked request or with no plain step timed yet, the warm steps stay."""
+    ref = reference(eng)
+    pays = M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0, draft=lambda c: 0.5)
+
+    def request(state, drafter, clock_verify, draft_ms):
+        ctrl = M.CapController(pays, drafter.max_draft, state=state, warm_plain=C.WARM_PLAIN)
+        tokens, stats = run_auto(eng, drafter, ctrl, CostClock(eng.target, drafter, step=1.0, verify=clock_verify,
+                                                               draft=draft_ms))
+        assert tokens == ref
+        return stats.caps[1:]
+
+    clear = M.LearnedState()
+    assert request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN  # none timed yet
+    assert clear.plain[0] > 0 and not clear.parked
+    clear.shrink()
+    assert clear.last_spell[0] >= 4 and clear.last_spell[1] / clear.last_spell[2] >= M.CLEAR_WIN
+    assert request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[0] > 0
+    # One-token drafts, all accepted: 2 tokens per 1.7 plain steps' time, a narrow win that keeps the warm steps.
+    narrow = M.LearnedState()
+    request(narrow, Oracle(ref, max_draft=1), lambda w: 1.2, 0.5)
+    narrow.shrink()
+    assert not narrow.parked and narrow.last_spell[0] >= 4
+    assert narrow.last_spell[1] / narrow.last_spell[2] < M.CLEAR_WIN
+    assert request(narrow, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN
 
 
 def test_probes_that_keep_failing_stay_rare_on_later_requests(eng):
