@@ -221,6 +221,13 @@ def test_warm_plain_steps_are_skipped_only_after_a_clear_win(eng):
     assert not narrow.parked and narrow.last_spell[0] >= 4
     assert narrow.last_spell[1] / narrow.last_spell[2] < M.CLEAR_WIN
     assert request(narrow, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN
+    # A request that ended parked (drafts always wrong) leaves no spell to go by.
+    lost = M.LearnedState()
+    request(lost, Oracle(ref, right_from=10 ** 6), lambda w: 1.5, 3.0)
+    assert lost.parked
+    lost.shrink()
+    assert lost.last_spell == [0.0, 0.0, 0.0]
+    assert request(lost, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN
 
 
 def test_probes_that_keep_failing_stay_rare_on_later_requests(eng):
