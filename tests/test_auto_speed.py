@@ -209,7 +209,8 @@ def test_warm_plain_steps_are_skipped_only_after_a_clear_win(eng):
         return stats.caps[1:]
 
     clear = M.LearnedState()
-    assert request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN  # none timed yet
+    first = request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)
+    assert first[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN  # no plain step timed yet
     assert clear.plain[0] > 0 and not clear.parked
     clear.shrink()
     assert clear.last_spell[0] >= 4 and clear.last_spell[1] / clear.last_spell[2] >= M.CLEAR_WIN

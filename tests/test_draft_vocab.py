@@ -167,3 +167,46 @@ def test_d2t_in_the_weights_gives_the_same_drafter(setup, tmp_path):
     cfg_bad = dict(cfg, draft_vocab_size=len(LISTED))
     ck.write(tmp_path / "no_d2t", cfg_bad, {k: v for k, v in reduced.items() if k not in ("d2t", "t2d")})
     assert "needs a 'd2t' tensor" in _refusal(engine, tmp_path / "no_d2t")
+
+
+def test_averaged_drafters_keep_one_parents_vocabulary_and_load(tmp_path):
+    """tests/device/soup_drafters.py (how the fifth starter drafter was made): every floating
+    tensor is the parents' weighted mean, the draft vocabulary (d2t/t2d, draft_vocab.json) is
+    the first parent's whole, and the result loads and drafts from that vocabulary; parents of
+    different shapes are refused."""
+    import importlib.util
+
+    from engine.drafters.checkpoint import vocab_tensors
+    from tests import drafter_ckpt as ck
+
+    script = Path(__file__).parent / "device" / "soup_drafters.py"
+    spec = importlib.util.spec_from_file_location("soup_drafters", script)
+    soup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soup)
+    engine = make_tiny_engine("llama", seed=6)  # vocab 96
+    other = [t for t in range(96) if t not in LISTED][:30]
+    parents = []
+    for name, seed, listed in (("a", 1, LISTED), ("b", 2, other)):
+        cfg, w = ck.dspark_checkpoint(ck.target_config_of(engine.model), layers=2, taps=[0, 1, 2], seed=seed)
+        ck.copy_target_head(w, engine.model)
+        w.update({k: np.array(v) for k, v in vocab_tensors(listed, 96).items()})
+        parents.append(ck.write(tmp_path / name, cfg, w))
+        (parents[-1] / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": listed}))
+    soup.soup(parents[0], parents[1], tmp_path / "soup", weight=0.25)
+    a, b, s = (mx.load(str(p / "model.safetensors")) for p in (*parents, tmp_path / "soup"))
+    assert mx.array_equal(s["d2t"], a["d2t"]).item() and mx.array_equal(s["t2d"], a["t2d"]).item()
+    for key in ("fc.weight", "layers.1.mlp.down_proj.weight", "markov_head.markov_w2.weight"):
+        want = (0.75 * a[key].astype(mx.float32) + 0.25 * b[key].astype(mx.float32)).astype(b[key].dtype)
+        assert mx.array_equal(s[key], want).item() and not mx.array_equal(s[key], a[key]).item(), key
+    assert json.loads((tmp_path / "soup" / DRAFT_VOCAB_FILE).read_text())["token_ids"] == LISTED
+    engine.drafter_path = str(tmp_path / "soup")
+    drafter = _drafter(engine, None)
+    assert np.array(drafter.vocab_ids).tolist() == LISTED
+    prompt = [5, 9, 14, 3, 22]
+    base = engine.generate(prompt, mode="baseline", max_new_tokens=24)
+    spec_run = engine.generate(prompt, mode="dspark", max_new_tokens=24, max_draft=7)
+    assert_same_greedy(engine.model, prompt, base.token_ids, spec_run.token_ids, "dspark (averaged drafter)")
+    cfg, w = ck.dspark_checkpoint(ck.target_config_of(engine.model), layers=1, taps=[0, 1, 2])
+    ck.write(tmp_path / "one_layer", cfg, w)
+    with pytest.raises(SystemExit, match="different tensors"):
+        soup.soup(parents[0], tmp_path / "one_layer", tmp_path / "bad")

@@ -40,7 +40,8 @@ def soup(a: Path, b: Path, out: Path, weight: float = 0.5) -> None:
     if (a / "draft_vocab.json").exists():
         shutil.copy(a / "draft_vocab.json", out / "draft_vocab.json")
     config = json.loads((b / "config.json").read_text())
-    config.setdefault("tandem", {})["soup"] = f"{1 - weight:g} x {a.name} + {weight:g} x {b.name}; vocabulary from {a.name}"
+    mix = f"{1 - weight:g} x {a.name} + {weight:g} x {b.name}; vocabulary from {a.name}"
+    config.setdefault("tandem", {})["soup"] = mix
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
