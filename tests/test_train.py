@@ -340,4 +340,4 @@ def test_shipped_starter_drafter_is_registered_trained_and_lossless(starter_engi
     finally:
         eng.lookup_first = None
     assert_same_greedy(eng.model, prompt, base.token_ids, spec.token_ids, "dspark (shipped drafter)")
-    assert spec.mean_accepted >= 2.0, spec.mean_accepted  # 2.8 tokens per round when shipped
+    assert spec.mean_accepted >= 2.0, spec.mean_accepted  # 3.9 tokens per round with the fifth drafter
