@@ -422,8 +422,8 @@ class CapController:
         steps cost a short answer several percent (4 tokens at a plain step each where a round
         commits 2-3); where rounds lose or win narrowly, or no plain step was timed lately, they
         stay, and ``_losing`` still parks a spell that loses."""
-        rounds, tokens, ms = self.state.last_spell
-        if self.state.parked or rounds < self.min_rounds // 2 or ms <= 0 or self.state.plain[0] < 0.5:
+        rounds, tokens, ms = self.state.last_spell  # all 0 after a request that ended parked
+        if rounds < self.min_rounds // 2 or ms <= 0 or self.state.plain[0] < 0.5:
             return False
         return tokens / ms * self.plain_ms() >= CLEAR_WIN
 
