@@ -22,6 +22,7 @@ import mlx.core as mx
 
 import engine.api as api
 import engine.drafters.checkpoint as checkpoint
+from engine.drafters.dspark import confident_prefix
 from engine.sampling import Sampler, SamplingParams
 
 PROMPTS = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "mt-bench.jsonl"
@@ -39,8 +40,8 @@ def measure(gguf: str | None, target_dtype: str, drafter_dtype: str | None, prom
         drafter = getattr(drafter, "model_drafter", drafter)  # lookup-first wraps it
     finally:
         checkpoint.compute_dtype = original
-    shipped_threshold = drafter._threshold
-    full_block = lambda: 0.0  # a threshold of 0: no confidence cut
+    drafter.trace = []  # proposals keep the full block and record every slot's confidence
+    rule, threshold = drafter.cut()  # the shipped cut, applied to the recorded confidences
     target.set_taps(drafter.tap_layers)
     greedy = Sampler(SamplingParams(temperature=0.0))
     committed, blocks, not_finite, kept, empty = 0, 0, 0, 0, 0
@@ -55,12 +56,10 @@ def measure(gguf: str | None, target_dtype: str, drafter_dtype: str | None, prom
             if step % every == 0:
                 states = drafter.block_states(ids)
                 not_finite += not bool(mx.all(mx.isfinite(states.astype(mx.float32))).item())
-                drafter._threshold = shipped_threshold  # what the shipped cut keeps of this block
-                cut = drafter.propose(ids, drafter.max_draft, greedy)
-                kept += len(cut) if cut is not None else 0
-                empty += cut is None
-                drafter._threshold = full_block
                 draft = drafter.propose(ids, drafter.max_draft, greedy)
+                keep = confident_prefix(mx.array(drafter.trace[-1]), threshold, rule)
+                kept += keep
+                empty += keep == 0
                 proposals.append((len(ids), draft.tokens.tolist() if draft is not None else []))
             step_logits, tapped = target.forward(mx.array([[ids[-1]]], dtype=mx.uint32), cache, last_only=True,
                                                  tap=True)
@@ -75,7 +74,7 @@ def measure(gguf: str | None, target_dtype: str, drafter_dtype: str | None, prom
     return {"target": target_dtype, "drafter": str(drafter.dtype).replace("mlx.core.", ""),
             "tokens_per_block": round(committed / max(blocks, 1), 3), "blocks": blocks, "not_finite": not_finite,
             "kept_by_cut": round(kept / max(blocks, 1), 3), "cut_to_nothing": empty,
-            "cut": [drafter.default_rule, drafter.default_threshold]}
+            "cut": [rule, threshold]}
 
 
 def main() -> None:
