@@ -18,10 +18,12 @@ Three layers; imports point down only (``tests/test_layout.py`` checks it):
 Importing the package preloads OpenBLAS on Linux (when installed) so that MLX's CPU backend
 uses it instead of the reference BLAS its wheel ships, with ``skinny_gemm`` in front of it for
 products of 1-14 rows; this must happen before the first ``import mlx.core`` anywhere in the process.
+It also raises MLX's CUDA graph cache (``platform.cuda_defaults``) before any GPU work.
 """
 
 from engine import platform as _platform
 
 _platform.preload_blas()
+_platform.cuda_defaults()
 
 __version__ = "0.1.0"

@@ -138,6 +138,11 @@ def _hf_cache_row() -> str:
     return f"{constants.HF_HUB_CACHE}{offline}"
 
 
+def _cuda_graph_row() -> str:
+    size = os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE", "400 (MLX's default)")
+    return size if platform.backend() == "cuda" else f"{size} (used on CUDA only)"
+
+
 _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("Python", lambda: f"{_py_platform.python_version()} ({sys.executable})"),
     ("OS", lambda: f"{_py_platform.system()} {_py_platform.release()} {_py_platform.machine()}"),
@@ -150,6 +155,7 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("BLAS mapped", _blas_mapped_row),
     ("Skinny matmuls", lambda: platform.blas_status().skinny),
     ("sgemm check", _sgemm_row),
+    ("CUDA graph cache", _cuda_graph_row),
     ("Weights dtype", _dtype_row),
     ("KV cache bits", _kv_bits_row),
     ("Recurrent rollback", _rollback_row),

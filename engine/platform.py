@@ -70,6 +70,21 @@ def mapped_blas_libraries() -> list[str]:
     return sorted(paths)
 
 
+# MLX's CUDA backend replays kernels through CUDA graphs kept in a cache of 400 by default. A
+# speculative session cycles through more topologies than that (plain steps, every verify width,
+# the drafter's forwards, prefill chunks), and a thrashing cache rebuilds graphs on plain steps too:
+# on the H200 the starter's baseline ran 3.7-7.9 ms a step in a benchmark process at 400, 3.2-5.0
+# at 2000 (tests/device/results/README.md).
+CUDA_GRAPH_CACHE = 2000
+
+
+def cuda_defaults() -> str:
+    """Raise MLX's CUDA graph cache (``MLX_CUDA_GRAPH_CACHE_SIZE``) unless the user set it. MLX
+    reads it when a GPU stream first encodes work, so this runs when ``engine`` is imported.
+    Harmless on Metal and the CPU backend. Returns the value in force."""
+    return os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", str(CUDA_GRAPH_CACHE))
+
+
 def preload_blas() -> BlasStatus:
     """Load OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is imported (Linux only).
 

@@ -87,6 +87,25 @@ def test_ld_preload_is_recognised():
     assert r["state"] == "already-mapped" and r["ms"] < 5
 
 
+def test_importing_engine_raises_the_cuda_graph_cache_unless_the_user_set_it():
+    probe = """
+        import json, os
+        import engine
+        print(json.dumps({"size": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_GRAPH_CACHE_SIZE"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(probe)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["size"] == str(platform.CUDA_GRAPH_CACHE)
+    assert run_py(probe, MLX_CUDA_GRAPH_CACHE_SIZE="123")["size"] == "123"  # the user's choice stands
+    assert rows_of_doctor()["CUDA graph cache"].startswith(os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"])
+
+
+def rows_of_doctor() -> dict[str, str]:
+    return dict(doctor.doctor_report())
+
+
 def test_preload_is_idempotent_and_remembered():
     assert platform.preload_blas() is platform.preload_blas() is platform.blas_status()
 
@@ -102,9 +121,9 @@ def test_backend_facts():
 
 
 def test_doctor_report():
-    rows = dict(doctor.doctor_report())
+    rows = rows_of_doctor()
     for label in ("Python", "mlx", "mlx-lm", "Backend", "Device", "Memory", "BLAS preload", "BLAS mapped",
-                  "sgemm check", "Weights dtype", "Built-in models", "Converted cache", "Prefix cache", "HF cache"):
+                  "sgemm check", "CUDA graph cache", "Weights dtype", "Built-in models", "Converted cache", "Prefix cache", "HF cache"):
         assert label in rows and rows[label] and not rows[label].startswith("error"), (label, rows.get(label))
     assert rows["Backend"] == platform.backend()
     assert rows["BLAS preload"].startswith(platform.blas_status().state)

@@ -38,8 +38,11 @@ class LookupDrafter(Drafter):
 
     def _extend(self, ids: Sequence[int]) -> None:
         """Index every n-gram that ends before the current last token (whose continuation is
-        known), by the position of the token that followed it."""
-        self._ids = list(ids)
+        known), by the position of the token that followed it. ``ids`` extends the context seen
+        so far (the verify loop's committed tokens)."""
+        if len(ids) < len(self._ids):  # another sequence: the loop's context only ever grows
+            self.begin(ids, None)
+        self._ids.extend(ids[len(self._ids):])  # the new tokens only: a plain step adds one
         n = self.min_ngram
         for end in range(max(self._indexed, n), len(self._ids)):
             self._index[tuple(self._ids[end - n : end])].append(end)
