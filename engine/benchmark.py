@@ -19,6 +19,7 @@ mt-bench conversations, time to first token with the earlier turns restored vs p
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -189,7 +190,9 @@ def stamp(engine: "Engine") -> dict:
     return {"device": platform.device_name(), "backend": platform.backend(), "mlx": mx.__version__,
             "model": engine.name, "model_path": str(getattr(loaded, "path", "") or ""),
             "precision": model_precision(engine.target.model), "drafter": engine.drafter_path,
-            "draft_model": engine.draft_model_spec, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "draft_model": engine.draft_model_spec, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            # on CUDA, how many kernel graphs MLX keeps: a thrashing cache slows every arm (engine/platform.py)
+            "cuda_graph_cache": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}
 
 
 def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, trials: int = 3,
@@ -449,8 +452,9 @@ def format_report(report: dict) -> str:
     classes = list(next(iter(report["arms"].values()))["classes"])
     head = f"{'arm':<14}{'tok/s':>8}{'x base':>8}{'best':>8}{'x base':>8}{'model':>8}{'x base':>8}{'acc/rnd':>9}{'x roof':>8}  " + "".join(
         f"{c + ' tok/s (x)':>20}" for c in classes) + "  lossless"
+    graphs = f", graph cache {report.get('cuda_graph_cache')}" if report["backend"] == "cuda" else ""
     lines = [f"{report['model']} on {report['device']} ({report['backend']}, MLX {report['mlx']}, "
-             f"{report['precision']}) | {len(report['prompts'])} prompts x {report['trials']} trials, "
+             f"{report['precision']}{graphs}) | {len(report['prompts'])} prompts x {report['trials']} trials, "
              f"{report['max_new_tokens']} new tokens", head]
     for name, a in report["arms"].items():
         per_class = "".join(f"{c['tok_s']:>12.1f} ({c['ratio']:.2f})" if c["ratio"] is not None else f"{c['tok_s']:>20.1f}"

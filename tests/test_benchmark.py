@@ -4,6 +4,7 @@ margin comes from a real clean re-run) and a whole run on a tiny model."""
 from __future__ import annotations
 
 import json
+import os
 
 import mlx.core as mx
 import pytest
@@ -71,8 +72,10 @@ def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     for stamp in ("device", "backend", "mlx", "model", "precision"):
         assert report[stamp]
     assert report["roofline"]["ceiling_tps"] > 0
+    assert report["cuda_graph_cache"] == os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"]  # set by `import engine`
     json.dumps(report)
     text = B.format_report(report)
+    assert ("graph cache" in text.splitlines()[0]) is (report["backend"] == "cuda")
     assert "lookup@auto" in text and "lossless: every arm" in text and "noise floor" in text
     runs = report["runs"]["lookup@4"]  # the trace: every round of every run, in order
     assert len(runs) == 2 and len(runs[0]) == len(prompts)

@@ -66,3 +66,36 @@ def test_round_events_name_the_drafter_of_each_round(tmp_path):
         if mode == "dspark":  # exact: one name per proposal that drafted something
             assert names.count("lookup") == both.from_lookup - lookups > 0
             assert 0 < names.count("dspark") <= both.from_model - models
+
+
+def _reference_match(ids: list[int], n: int) -> tuple[int, int]:
+    """Lookup's match found from scratch: the latest ``MAX_CANDIDATES`` earlier occurrences of the
+    last n tokens, each extended backwards (up to ``MAX_MATCH``); the longest wins, the latest a tie."""
+    from engine.drafters.lookup import MAX_CANDIDATES, MAX_MATCH
+
+    if len(ids) <= n:
+        return 0, 0
+    ends = [end for end in range(n, len(ids)) if ids[end - n:end] == ids[-n:]][-MAX_CANDIDATES:]
+    best = (0, 0)
+    for pos in reversed(ends):
+        length = n
+        while length < MAX_MATCH and pos - length - 1 >= 0 and ids[pos - length - 1] == ids[len(ids) - length - 1]:
+            length += 1
+        if length > best[1]:
+            best = (pos, length)
+    return best
+
+
+def test_lookup_index_grows_with_the_context_and_starts_over_for_another():
+    from engine.drafters.lookup import LookupDrafter
+
+    rng = np.random.default_rng(3)
+    lookup = LookupDrafter()
+    for sequence in range(3):  # a new sequence (shorter than the last) is indexed afresh
+        ids = rng.integers(0, 4, size=5).tolist()
+        if sequence == 2:
+            lookup.begin(ids, None)
+        while len(ids) < 120 - 30 * sequence:
+            ids.extend(rng.integers(0, 4, size=int(rng.integers(1, 4))).tolist())  # a plain step or a round
+            lookup.commit(ids, 0, None)
+            assert lookup.match(ids) == _reference_match(ids, lookup.min_ngram), (sequence, len(ids))
