@@ -11,7 +11,10 @@ Tables:
 2. one step's anatomy: graph build (Python) vs the whole step, MLX graph nodes per token;
 3. the verify-cost curve (one forward of W rows on a warm cache) with skinny matmuls on and off;
 4. a lookup round on a copy-heavy prompt: the round vs its target forward; the rest (drafting,
-   commit, rollback, events, detokenizer, stop matcher) is the engine's overhead.
+   commit, rollback, events, detokenizer, stop matcher) is the engine's overhead;
+5. attention's share of a W-row forward (the forward timed with attention replaced by a stand-in
+   that returns its queries, its keys and values still computed: a cost split, not a model), and what one ``mx.exp`` costs per
+   element on this backend (every attention score goes through one in the softmax).
 Not collected by pytest (no ``test_`` prefix).
 """
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--context", type=int, default=100, help="tokens of context for the verify-cost curve")
-    p.add_argument("--tables", default="1234", help="which tables to print, e.g. 3 for the verify-cost curve")
+    p.add_argument("--tables", default="12345", help="which tables to print, e.g. 3 for the verify-cost curve")
     args = p.parse_args(argv)
 
     eng = load()
@@ -96,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         verify_curve(eng, args, configure)
     if "4" in args.tables:
         lookup_round(eng, target, args)
+    if "5" in args.tables:
+        attention_share(eng, args)
     return 0
 
 
@@ -200,6 +205,59 @@ def verify_curve(eng, args, configure) -> None:
     for w in widths:
         print(f"{w:4d}" + "".join(f"{med(curve[(w, arm)]) * 1e3:14.1f}{med(curve[(w, arm)]) / step:8.2f}"
                                   for arm in arms))
+
+
+def attention_share(eng, args) -> None:
+    """Table 5: a forward of W rows with the model's attention and with a stand-in, and mx.exp's rate."""
+    target = eng.target
+    module = sys.modules[type(target.model).__module__]
+    attention = getattr(module, "scaled_dot_product_attention", None)
+    if attention is None:
+        print(f"\n5. skipped: {module.__name__} calls no scaled_dot_product_attention")
+        return
+    widths = (1, 4, 8, 16)
+    long_prompt = eng.encode(CHAT * (1 + args.context // 12))[-args.context:]
+    cache = target.new_cache()
+    target.prefill(long_prompt, cache)
+    def stand_in(queries, keys, values, *a, **kw):  # still reads keys and values: the cache writes stay in the graph
+        return queries + 0 * (keys[:, :1, -1:, :1] + values[:, :1, -1:, :1])
+
+    arms = {"as is": attention, "no attention": stand_in}
+    times: dict[tuple[int, str], list[float]] = {}
+    try:
+        for rep in range(max(5, args.repeats)):
+            for w in widths:
+                ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
+                for arm, fn in arms.items():
+                    module.scaled_dot_product_attention = fn
+                    t0 = time.perf_counter()
+                    logits, _, txn = target.verify(ids, cache)
+                    mx.eval(logits)
+                    times.setdefault((w, arm), []).append(time.perf_counter() - t0)
+                    txn.commit(1 if w == 1 else 0)
+    finally:
+        module.scaled_dot_product_attention = attention
+    x = mx.random.normal((1 << 20,))
+    mx.eval(x)
+    rate = {}
+    for name, op in (("exp", mx.exp), ("multiply", lambda a: a * a)):
+        runs = []
+        for _ in range(max(5, args.repeats)):
+            t0 = time.perf_counter()
+            mx.eval(op(x))
+            runs.append(time.perf_counter() - t0)
+        rate[name] = med(runs) / x.size * 1e9
+    heads = getattr(getattr(target.model, "args", None), "num_attention_heads", 0)
+    print(f"\n5. attention's share of a forward of W rows at {len(long_prompt)} tokens of context (ms)")
+    print(f"{'W':>4}{'as is':>10}{'no attention':>14}{'attention':>11}{'share':>7}{'softmax exps':>14}")
+    for w in widths:
+        full, bare = med(times[(w, "as is")]), med(times[(w, "no attention")])
+        exps = target.num_layers * heads * w * len(long_prompt)
+        print(f"{w:4d}{full * 1e3:10.1f}{bare * 1e3:14.1f}{(full - bare) * 1e3:11.1f}{(full - bare) / full:7.0%}"
+              f"{exps:14,d}")
+    print(f"mx.exp: {rate['exp']:.1f} ns per element (a multiply: {rate['multiply']:.2f}); the softmax exps above at "
+          f"that rate take {target.num_layers * heads * 8 * len(long_prompt) * rate['exp'] / 1e6:.1f} ms of the "
+          f"8-row forward")
 
 
 def lookup_round(eng, target, args) -> None:
