@@ -21,9 +21,10 @@ LINUX = sys.platform.startswith("linux")
 HAS_OPENBLAS = LINUX and any(os.path.exists(p) for p in platform.SYSTEM_OPENBLAS)
 
 
-def run_py(code: str, **env: str) -> dict:
-    """Run ``code`` in a fresh interpreter; it must print one JSON object as its last line."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NO_OPENBLAS", "LD_PRELOAD")}
+def run_py(code: str, unset: tuple[str, ...] = (), **env: str) -> dict:
+    """Run ``code`` in a fresh interpreter (without the ``unset`` variables); it must print one
+    JSON object as its last line."""
+    full_env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NO_OPENBLAS", "LD_PRELOAD", *unset)}
     full_env.update(env)
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env,
@@ -93,17 +94,10 @@ def test_importing_engine_raises_the_cuda_graph_cache_unless_the_user_set_it():
         import engine
         print(json.dumps({"size": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}))
     """
-    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_GRAPH_CACHE_SIZE"}
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(probe)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["size"] == str(platform.CUDA_GRAPH_CACHE)
+    assert run_py(probe, unset=("MLX_CUDA_GRAPH_CACHE_SIZE",))["size"] == str(platform.CUDA_GRAPH_CACHE)
     assert run_py(probe, MLX_CUDA_GRAPH_CACHE_SIZE="123")["size"] == "123"  # the user's choice stands
-    assert rows_of_doctor()["CUDA graph cache"].startswith(os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"])
-
-
-def rows_of_doctor() -> dict[str, str]:
-    return dict(doctor.doctor_report())
+    rows = dict(doctor.doctor_report())
+    assert rows["CUDA graph cache"].startswith(os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"])
 
 
 def test_preload_is_idempotent_and_remembered():
@@ -121,9 +115,10 @@ def test_backend_facts():
 
 
 def test_doctor_report():
-    rows = rows_of_doctor()
+    rows = dict(doctor.doctor_report())
     for label in ("Python", "mlx", "mlx-lm", "Backend", "Device", "Memory", "BLAS preload", "BLAS mapped",
-                  "sgemm check", "CUDA graph cache", "Weights dtype", "Built-in models", "Converted cache", "Prefix cache", "HF cache"):
+                  "sgemm check", "CUDA graph cache", "Weights dtype", "Built-in models", "Converted cache",
+                  "Prefix cache", "HF cache"):
         assert label in rows and rows[label] and not rows[label].startswith("error"), (label, rows.get(label))
     assert rows["Backend"] == platform.backend()
     assert rows["BLAS preload"].startswith(platform.blas_status().state)
