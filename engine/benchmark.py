@@ -321,7 +321,8 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
                      "prompt_tokens": len(ids)} for (c, p), ids in zip(prompts, encoded)],
         "arms": report_arms,
         "roofline": roof.summary(mean_context, report_arms["baseline"]["tok_s"]),
-        "calibrations": {m: {"key": c.key, "default_cap": _static(c)} for m, c in calibrations.items()},
+        # the whole calibration (cost curves, the confidence cut it picked): what `auto` and the cut ran on
+        "calibrations": {m: {**c.to_dict(), "default_cap": _static(c)} for m, c in calibrations.items()},
         "lossless": not any(not d["near_tie"] for d in divergences),
         "divergences": divergences,
         **({"runs": {a.name: [[run_trace(r) for r in rs] for rs in results[a.name]] for a in arms}} if trace else {}),
