@@ -23,9 +23,8 @@ import mlx.core as mx
 import engine.api as api
 import engine.drafters.checkpoint as checkpoint
 from engine.drafters.dspark import confident_prefix
+from engine.prompts import load_prompts
 from engine.sampling import Sampler, SamplingParams
-
-PROMPTS = Path(__file__).resolve().parents[2] / "resources" / "prompts" / "mt-bench.jsonl"
 
 
 def measure(gguf: str | None, target_dtype: str, drafter_dtype: str | None, prompts: list[str], tokens: int,
@@ -46,7 +45,7 @@ def measure(gguf: str | None, target_dtype: str, drafter_dtype: str | None, prom
     greedy = Sampler(SamplingParams(temperature=0.0))
     committed, blocks, not_finite, kept, empty = 0, 0, 0, 0, 0
     for text in prompts:
-        ids = eng.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        ids = eng.encode(text)
         cache = target.new_cache()
         logits, hidden = target.prefill(ids, cache, tap=True)
         drafter.begin(ids, hidden)
@@ -86,7 +85,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    prompts = [json.loads(line)["turns"][0] for line in PROMPTS.read_text().splitlines()[: args.prompts]]
+    prompts = [text for _, text in load_prompts(["chat"], args.prompts)]  # mt-bench's first turns
     rows = []
     for target_dtype in args.targets.split(","):
         for drafter_dtype in (None, "float32"):

@@ -79,8 +79,11 @@ def main() -> None:
     def untapped(target, cache, ids, sampler, n, tap, *rest, **kw):
         return plain_run(target, cache, ids, sampler, n, False, *rest, **kw)
 
+    def auto():
+        return eng._cap_policy("dspark", eng.drafter("dspark"), "auto")[0]
+
     def auto_parked():
-        policy = eng._cap_policy("dspark", eng.drafter("dspark"), "auto")[0]
+        policy = auto()
         policy.state.parked, policy.state.probe_gap, policy._warm = True, 10**9, 0
         policy.state.since_probe = 0
         return policy
@@ -96,7 +99,7 @@ def main() -> None:
         elif arm == "auto-parked":
             policy = auto_parked()
         elif arm == "auto":
-            policy = eng._cap_policy("dspark", eng.drafter("dspark"), "auto")[0]
+            policy = auto()
         events = []
         speculative._plain_run = untapped if arm == "parked-notap" else plain_run
         try:

@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import engine  # noqa: F401,I001  (OpenBLAS and the skinny matmuls load before mlx.core)
 import mlx.core as mx
@@ -172,34 +173,47 @@ def step_anatomy(target, chat: list[int], args, configure) -> None:
           f"(the token read; baseline queues the next step first)")
 
 
-def verify_curve(eng, args, configure) -> None:
-    """One forward of W rows on a warm cache: skinny matmuls split over the BLAS thread count,
-    the same on one thread, and OpenBLAS's gemm; x step = the cost over a baseline step (W=1)."""
+def timed_forwards(eng, args, widths: tuple[int, ...], arms: dict[str, Callable[[], None]]) -> tuple[dict, int]:
+    """One forward of W rows on a warm cache at ``--context`` tokens, per arm (its setup called
+    first), interleaved over ``max(5, --repeats)`` repeats: ({(W, arm): [seconds]}, context)."""
     target = eng.target
-    widths = (1, 2, 3, 4, 6, 8, 9, 16)
-    threads = platform.skinny_threads()
-    arms = {f"skinny x{threads}": (True, threads), "skinny x1": (True, 1), "gemm": (False, threads)}
     long_prompt = eng.encode(CHAT * (1 + args.context // 12))[-args.context:]
     cache = target.new_cache()
     target.prefill(long_prompt, cache)
-    curve: dict[tuple[int, str], list[float]] = {}
+    times: dict[tuple[int, str], list[float]] = {}
+    for rep in range(max(5, args.repeats)):
+        for w in widths:
+            ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
+            for arm, setup in arms.items():
+                setup()
+                t0 = time.perf_counter()
+                logits, _, txn = target.verify(ids, cache)
+                mx.eval(logits)
+                times.setdefault((w, arm), []).append(time.perf_counter() - t0)
+                txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+    return times, len(long_prompt)
+
+
+def verify_curve(eng, args, configure) -> None:
+    """One forward of W rows on a warm cache: skinny matmuls split over the BLAS thread count,
+    the same on one thread, and OpenBLAS's gemm; x step = the cost over a baseline step (W=1)."""
+    widths = (1, 2, 3, 4, 6, 8, 9, 16)
+    threads = platform.skinny_threads()
+
+    def setting(skinny: bool, count: int) -> Callable[[], None]:
+        def setup() -> None:
+            configure(skinny, True)
+            platform.skinny_threads(count)
+        return setup
+
+    arms = {f"skinny x{threads}": setting(True, threads), "skinny x1": setting(True, 1), "gemm": setting(False, threads)}
     try:
-        for rep in range(max(5, args.repeats)):
-            for w in widths:
-                ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
-                for arm, (skinny, count) in arms.items():
-                    configure(skinny, True)
-                    platform.skinny_threads(count)
-                    t0 = time.perf_counter()
-                    logits, _, txn = target.verify(ids, cache)
-                    mx.eval(logits)
-                    curve.setdefault((w, arm), []).append(time.perf_counter() - t0)
-                    txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+        curve, context = timed_forwards(eng, args, widths, arms)
     finally:
         configure(True, True)
         platform.skinny_threads(threads)
     step = med(curve[(1, f"skinny x{threads}")])
-    print(f"\n3. verify cost: one forward of W rows at {len(long_prompt)} tokens of context "
+    print(f"\n3. verify cost: one forward of W rows at {context} tokens of context "
           f"(ms; x step = over a baseline step, W=1 skinny, {step * 1e3:.1f} ms)")
     print(f"{'W':>4}" + "".join(f"{arm:>14}{'x step':>8}" for arm in arms))
     for w in widths:
@@ -216,25 +230,15 @@ def attention_share(eng, args) -> None:
         print(f"\n5. skipped: {module.__name__} calls no scaled_dot_product_attention")
         return
     widths = (1, 4, 8, 16)
-    long_prompt = eng.encode(CHAT * (1 + args.context // 12))[-args.context:]
-    cache = target.new_cache()
-    target.prefill(long_prompt, cache)
+
     def stand_in(queries, keys, values, *a, **kw):  # still reads keys and values: the cache writes stay in the graph
         return queries + 0 * (keys[:, :1, -1:, :1] + values[:, :1, -1:, :1])
 
-    arms = {"as is": attention, "no attention": stand_in}
-    times: dict[tuple[int, str], list[float]] = {}
+    def using(fn: Callable) -> Callable[[], None]:
+        return lambda: setattr(module, "scaled_dot_product_attention", fn)
+
     try:
-        for rep in range(max(5, args.repeats)):
-            for w in widths:
-                ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
-                for arm, fn in arms.items():
-                    module.scaled_dot_product_attention = fn
-                    t0 = time.perf_counter()
-                    logits, _, txn = target.verify(ids, cache)
-                    mx.eval(logits)
-                    times.setdefault((w, arm), []).append(time.perf_counter() - t0)
-                    txn.commit(1 if w == 1 else 0)
+        times, context = timed_forwards(eng, args, widths, {"as is": using(attention), "no attention": using(stand_in)})
     finally:
         module.scaled_dot_product_attention = attention
     x = mx.random.normal((1 << 20,))
@@ -248,15 +252,15 @@ def attention_share(eng, args) -> None:
             runs.append(time.perf_counter() - t0)
         rate[name] = med(runs) / x.size * 1e9
     heads = getattr(getattr(target.model, "args", None), "num_attention_heads", 0)
-    print(f"\n5. attention's share of a forward of W rows at {len(long_prompt)} tokens of context (ms)")
+    print(f"\n5. attention's share of a forward of W rows at {context} tokens of context (ms)")
     print(f"{'W':>4}{'as is':>10}{'no attention':>14}{'attention':>11}{'share':>7}{'softmax exps':>14}")
     for w in widths:
         full, bare = med(times[(w, "as is")]), med(times[(w, "no attention")])
-        exps = target.num_layers * heads * w * len(long_prompt)
+        exps = target.num_layers * heads * w * context
         print(f"{w:4d}{full * 1e3:10.1f}{bare * 1e3:14.1f}{(full - bare) * 1e3:11.1f}{(full - bare) / full:7.0%}"
               f"{exps:14,d}")
     print(f"mx.exp: {rate['exp']:.1f} ns per element (a multiply: {rate['multiply']:.2f}); the softmax exps above at "
-          f"that rate take {target.num_layers * heads * 8 * len(long_prompt) * rate['exp'] / 1e6:.1f} ms of the "
+          f"that rate take {target.num_layers * heads * 8 * context * rate['exp'] / 1e6:.1f} ms of the "
           f"8-row forward")
 
 
