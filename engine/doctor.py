@@ -102,13 +102,19 @@ def _shapes_row(target) -> str:
 
 def model_rows(engine) -> list[tuple[str, str]]:
     """What a loaded model's caches are, and which modes it runs (or why not)."""
-    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches()), ("Shapes", _shapes_row(engine.target))]
+    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches()), ("Shapes", _shapes_row(engine.target)),
+            ("Verify matmuls", _skinny_row(engine.target))]
     if engine.kv_bits:
         rows.append(("KV bits", str(engine.kv_bits)))
     rows += [("Note", note) for note in engine.notes]
     for mode, reason in engine.mode_support().items():
         rows.append((f"--mode {mode}", "runs" if reason is None else reason))
     return rows
+
+
+def _skinny_row(target) -> str:
+    why = target.skinny_off
+    return "Tandem's CUDA kernel for 2-8 rows (engine/cuda_skinny.py)" if not why else f"MLX's ({why})"
 
 
 def _cache_row() -> str:

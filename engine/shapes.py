@@ -97,6 +97,13 @@ def capacity_mask(offset: int, rows: int, capacity: int, window: int | None = No
     return mask
 
 
+def additive(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A bool mask as the additive one MLX's GPU attention takes (0 where seen, the dtype's
+    lowest value elsewhere: exact zeros after the softmax, as the bool mask gives). Made once
+    per forward here, a bool mask would be converted again in every layer."""
+    return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
 class StableKVCache(KVCache):
     """mlx-lm's ``KVCache`` with capacity-shaped multi-row attention (see the module docstring).
     Trimming is the parent's (the offset moves back; stale rows stay masked)."""
@@ -147,4 +154,5 @@ class StableKVCache(KVCache):
         rows = capacity(self.offset + n, self.step)
         if self.keys is not None:
             rows = max(rows, self.keys.shape[2])
-        return capacity_mask(self.offset, n, rows, window_size)
+        mask = capacity_mask(self.offset, n, rows, window_size)
+        return mask if self.keys is None else additive(mask, self.keys.dtype)

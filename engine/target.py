@@ -26,9 +26,10 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import caches, compiled, recurrent
+from engine import caches, compiled, cuda_skinny, recurrent
 from engine.errors import TandemError
 from engine.platform import backend
 from engine.shapes import ShapePolicy, default_policy
@@ -121,6 +122,8 @@ class Target:
         self.vocab_size = int(reference.shape[-1])
         self._switch = compiled.Switch()
         self.compiled_off = self._install_compiled()  # why small forwards run uncompiled ("" = they don't)
+        self._skinny = cuda_skinny.Switch()
+        self.skinny_off = self._install_skinny()  # why verifies run cuBLAS's matmuls ("" = they don't)
         if self.recorder is not None:
             self._blocker = self._prove_rollback()
         self.set_shapes(default_policy() if shapes == "default" else shapes)
@@ -161,6 +164,41 @@ class Target:
             compiled.restore(swapped)
         return why
 
+    def _install_skinny(self) -> str:
+        """engine.cuda_skinny's kernel for 2-8-row forwards on CUDA, kept when its self-test
+        passes and a verify's logits come as close to the same rows' steps as cuBLAS's do."""
+        if backend() != "cuda":
+            return f"not needed on {backend()}"
+        dtypes = tuple({w.dtype for _, w in tree_flatten(self.model.parameters()) if w.dtype in cuda_skinny.DTYPES})
+        why = cuda_skinny.self_test(dtypes)
+        if why:
+            return why
+        swapped = cuda_skinny.swap_modules(self.model, self._skinny)
+        if not swapped:
+            return "no dense linears"
+        probe = mx.concatenate([self._probe_ids()] * 2, axis=1)  # 8 rows
+        cache = make_prompt_cache(self.model)
+        steps = mx.concatenate([self.model(probe[:, i:i + 1], cache=cache) for i in range(probe.shape[1])], axis=1)
+        cublas = self._full_logits(probe)
+        self._skinny.on = True
+        try:
+            skinny = self._full_logits(probe)
+        except Exception as e:
+            skinny, why = None, f"{type(e).__name__}: {e}"
+        finally:
+            self._skinny.on = False
+        if skinny is not None:
+            # A verify's rows already differ from the same rows as steps by rounding (cuBLAS sums
+            # in another order than the gemv): the kernel may differ as much, not more.
+            gap, inherent = _gap(skinny, steps), _gap(cublas, steps)
+            scale = max(1.0, mx.abs(steps.astype(mx.float32)).max().item())
+            if gap > max(2 * inherent, _tolerance(steps) * scale):
+                why = f"logits {gap:.3g} from a step's (cuBLAS: {inherent:.3g})"
+        if why:
+            cuda_skinny.restore(swapped)
+            log.warning("CUDA skinny matmuls off for %s: %s", self.name, why)
+        return why
+
     def head(self, h: mx.array) -> mx.array:
         outer = getattr(self.model, "language_model", self.model)  # VLM-style wrappers (Qwen3.5)
         if getattr(outer, "lm_head", None) is not None and not getattr(
@@ -198,11 +236,16 @@ class Target:
             else:
                 self.layers[i] = TapLayer(self.layers[i], i, self._sink)
         self.tap_layers = layer_ids
+        # The probe compares the tapped forward with the model's own call bit for bit: both run
+        # MLX's matmuls (the skinny kernel rounds a verify's rows differently, as cuBLAS does).
+        skinny_off, self.skinny_off = self.skinny_off, "off while probing the tap"
         try:
             verify_tap(self, probe, reference)
         except TandemError:
             self.clear_taps()
             raise
+        finally:
+            self.skinny_off = skinny_off
 
     def clear_taps(self) -> None:
         for i in self.tap_layers:
@@ -306,6 +349,7 @@ class Target:
         self._sink.enabled = tap and bool(self.tap_layers)
         self._sink.outputs = {}
         self._switch.set(not self.compiled_off and ids.shape[1] <= compiled.MAX_WIDTH)
+        self._skinny.on = not self.skinny_off and 2 <= ids.shape[1] <= cuda_skinny.MAX_ROWS
         try:
             if self._split:
                 h = self.trunk(ids, cache)
@@ -321,6 +365,7 @@ class Target:
             self._sink.enabled = False
             self._sink.outputs = {}
             self._switch.set(False)
+            self._skinny.on = False
         return logits[0], hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
@@ -439,6 +484,10 @@ def verify_tap(target: Target, probe: mx.array, reference: mx.array) -> None:
 def _tolerance(reference: mx.array) -> float:
     """How close a probe must come to ``reference``: fp32 closely, bf16/fp16 within their rounding."""
     return PROBE_TOLERANCE if reference.dtype == mx.float32 else LOW_PRECISION_TOLERANCE
+
+
+def _gap(a: mx.array, b: mx.array) -> float:
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
 
 def _close(a: mx.array, b: mx.array, tolerance: float = PROBE_TOLERANCE, relative: bool = False) -> bool:

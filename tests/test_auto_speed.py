@@ -440,6 +440,35 @@ def test_stable_cache_forwards_match_the_plain_cache_and_roll_back_exactly(eng):
     assert window.tolist() == [[False] * 4 + [True] * 2 + [False] * 2]
 
 
+def test_a_multi_row_forward_gets_one_additive_mask_bit_identical_to_the_bool_one(monkeypatch):
+    # MLX's GPU attention takes additive masks and converts a bool one in every layer (on the
+    # H200 that was 0.6 ms of a 2-row verify of the starter): the cache hands over one, made once.
+    from engine import shapes
+    from tests.tiny import make_tiny_model
+
+    model = make_tiny_model("llama", seed=3)
+    ids = mx.array([[3, 8, 2, 9, 4, 7, 1, 5, 6, 12, 13]])
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        model.set_dtype(dtype)
+        outs = []
+        for additive in (shapes.additive, lambda mask, dtype: mask):
+            monkeypatch.setattr(shapes, "additive", additive)
+            cache = [StableKVCache(16) for _ in model.layers]
+            model(ids[:, :7], cache=cache)
+            outs.append(model(ids[:, 7:11], cache=cache))
+            assert cache[0].make_mask(1) is None  # a step keeps MLX's own path
+        monkeypatch.undo()
+        cache = [StableKVCache(16) for _ in model.layers]
+        model(ids[:, :7], cache=cache)
+        mask = cache[0].make_mask(4)
+        assert mask.dtype == dtype and mask.shape == (4, 16)
+        seen = capacity_mask(7, 4, 16)
+        assert mx.array_equal(mask == 0, seen).item()
+        lowest = mx.array(mx.finfo(dtype).min, dtype)
+        assert mx.all(mx.where(seen, lowest, mask) == lowest).item()
+        assert mx.array_equal(outs[0], outs[1]).item(), dtype
+
+
 def test_stabilize_changes_only_the_full_attention_caches():
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
