@@ -192,7 +192,9 @@ def stamp(engine: "Engine") -> dict:
             "precision": model_precision(engine.target.model), "drafter": engine.drafter_path,
             "draft_model": engine.draft_model_spec, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
             # on CUDA, how many kernel graphs MLX keeps: a thrashing cache slows every arm (engine/platform.py)
-            "cuda_graph_cache": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}
+            "cuda_graph_cache": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE"),
+            # whose matmuls a verify runs: Tandem's CUDA kernel ("skinny") or MLX's, and why (engine/cuda_skinny.py)
+            "verify_matmuls": engine.target.skinny_off or "skinny"}
 
 
 def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, trials: int = 3,
@@ -453,7 +455,8 @@ def format_report(report: dict) -> str:
     classes = list(next(iter(report["arms"].values()))["classes"])
     head = f"{'arm':<14}{'tok/s':>8}{'x base':>8}{'best':>8}{'x base':>8}{'model':>8}{'x base':>8}{'acc/rnd':>9}{'x roof':>8}  " + "".join(
         f"{c + ' tok/s (x)':>20}" for c in classes) + "  lossless"
-    graphs = f", graph cache {report.get('cuda_graph_cache')}" if report["backend"] == "cuda" else ""
+    graphs = (f", graph cache {report.get('cuda_graph_cache')}, verify matmuls {report.get('verify_matmuls')}"
+              if report["backend"] == "cuda" else "")
     lines = [f"{report['model']} on {report['device']} ({report['backend']}, MLX {report['mlx']}, "
              f"{report['precision']}{graphs}) | {len(report['prompts'])} prompts x {report['trials']} trials, "
              f"{report['max_new_tokens']} new tokens", head]

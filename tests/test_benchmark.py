@@ -73,6 +73,7 @@ def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
         assert report[stamp]
     assert report["roofline"]["ceiling_tps"] > 0
     assert report["cuda_graph_cache"] == os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"]  # set by `import engine`
+    assert report["verify_matmuls"] == "not needed on cpu"  # Tandem's kernel serves CUDA only
     cal = report["calibrations"]["lookup"]  # the curves the controller ran on, with the pair's key
     assert cal["key"] and len(cal["verify_ms"]) == len(cal["widths"]) > 1 and cal["plain_ms"] > 0
     json.dumps(report)
