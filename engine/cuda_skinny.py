@@ -1,19 +1,20 @@
 """Skinny matmuls on MLX's CUDA backend: a verify's 2-8 rows times a weight in one kernel.
 
 MLX sends a one-row product (a decode step) to its own gemv kernel and every wider one to
-cuBLAS. For the few rows of a verify, cuBLAS costs twice the gemv on an H200 (SmolLM2-135M: the
-210 products of one forward take 1.4 ms as gemv, 2.8-2.9 ms at 2, 4 or 8 rows) although the
-weights are read once either way: a small target's forward is bound by kernel count and
-latency, not bandwidth, and the gemm pays extra per product. That doubled the cost of every
-verify against a plain step, so a round had to keep ~1.4 drafts just to break even.
+cuBLAS. For the few rows of a verify, cuBLAS costs twice the gemv on an H200 (SmolLM2-135M in
+fp16: the 210 products of one forward take 1.6 ms as gemv, 3.3 ms at 2, 4 or 8 rows; this
+kernel 2.5, tests/device/verify_width.py) although the weights are read once either way: a
+small target's forward is bound by latency per kernel, not by bandwidth. With the per-layer mask
+conversion (engine/shapes.py ``additive``) that made a verify cost twice a plain step, so a
+round had to keep ~1.4 drafts just to break even.
 
 ``skinny_matmul`` computes ``x @ w.T`` for 2-``MAX_ROWS`` rows with one warp per output column:
 each lane streams 16-byte slices of the weight row and multiplies them into every input row, in
 float32, then the warp sums its lanes. The weight is read once for all rows, as the gemv reads
 it for one. Sums run in another order than cuBLAS's, so results differ from it in the last bits
 (verify logits already differ from a step's that way; greedy output can change only at an exact
-tie). The target swaps it in for 2-8-row forwards after a self-test against ``mx.matmul``
-(``Target._install_skinny``); ``TANDEM_NO_CUDA_SKINNY=1`` turns it off.
+tie). The target swaps it in for 2-8-row forwards after a self-test against a float32 matmul and a
+check of a verify's logits (``Target._install_skinny``); ``TANDEM_NO_CUDA_SKINNY=1`` turns it off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS = 8
+# Weights up to the starter's tied head (49152 x 576) were measured; larger ones are products a
+# bandwidth-bound target spends its time in, where cuBLAS streams at full speed: they keep it.
+MAX_WEIGHT = 1 << 25
 THREADS = 256  # 8 warps (8 output columns) per block
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -113,7 +117,7 @@ def available() -> str:
 def takes(x: mx.array, w: mx.array) -> bool:
     """Whether ``x @ w.T`` is a product this kernel serves."""
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return (2 <= rows <= MAX_ROWS and w.ndim == 2 and x.shape[-1] == w.shape[1]
+    return (2 <= rows <= MAX_ROWS and w.ndim == 2 and x.shape[-1] == w.shape[1] and w.size <= MAX_WEIGHT
             and x.dtype == w.dtype and w.dtype in DTYPES)
 
 

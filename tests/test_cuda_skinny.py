@@ -56,6 +56,9 @@ def test_only_two_to_eight_rows_of_a_matching_dense_weight_are_taken():
     assert not cuda_skinny.takes(mx.zeros((1, 4, 32), mx.float16), w)  # another dtype
     assert not cuda_skinny.takes(mx.zeros((1, 4, 16), mx.bfloat16), w)  # another width
     assert not cuda_skinny.takes(mx.zeros((1, 4, 32), mx.uint32), mx.zeros((16, 32), mx.uint32))  # packed
+    big = mx.zeros((cuda_skinny.MAX_WEIGHT // 32 + 1, 32), mx.bfloat16)  # past the measured sizes: cuBLAS
+    assert not cuda_skinny.takes(mx.zeros((1, 4, 32), mx.bfloat16), big)
+    assert cuda_skinny.takes(mx.zeros((1, 4, 32), mx.bfloat16), big[: cuda_skinny.MAX_WEIGHT // 32])
 
 
 def test_swapped_modules_route_only_switched_forwards_and_restore(monkeypatch):
