@@ -29,8 +29,7 @@ from typing import Callable, Sequence
 CONTEXT = 512  # synthetic context the curves are measured at
 STATIC_P = 0.70  # acceptance the default cap is chosen at
 PRIOR_P = 0.65  # the controller's starting acceptance
-PROBE_CAP = 4  # the cap a parked controller probes with (a probe must stay cheap; larger where as cheap)
-PROBE_SLACK = 1.05  # a probe may take a larger cap whose round costs at most this much more than PROBE_CAP's
+PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
 PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
 MAX_PROBE_GAP = 256
 NEW_REQUEST_GAP = 64  # the longest gap a new request starts with: a second look within a short answer
@@ -458,7 +457,7 @@ class CapController:
             cap = 0
         elif st.parked and (self._cheap or st.since_probe >= self._gap()):
             self._probing, self._cheap_probe, self._cheap = True, self._cheap, False
-            cap = max(1, min(self._probe_limit(), _argmax(self.rates(), allow_park=False)))
+            cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
         else:
             cap = 0 if st.parked else int(st.cap)
         if cap == 0:
@@ -467,18 +466,6 @@ class CapController:
         self._last_cap = cap
         self.history.append(cap)
         return cap
-
-    def _probe_limit(self) -> int:
-        """The largest cap a probe takes: PROBE_CAP, or one past it whose round costs about the
-        same. On CUDA a verify is padded to the shape ladder (5 rows run as 8) and a block
-        drafter drafts its whole block at nearly one price: there a cap-7 probe costs what a
-        cap-4 one does and shows more of the drafts; where each row costs (the CPU) it stays 4."""
-        model = self.corrected()
-        price = model.verify(PROBE_CAP + 1) + model.draft(PROBE_CAP)
-        limit = PROBE_CAP
-        while limit < self.max_cap and model.verify(limit + 2) + model.draft(limit + 1) <= price * PROBE_SLACK:
-            limit += 1
-        return min(limit, self.max_cap)
 
     def watch_cheap_drafts(self) -> bool:
         """Parked, a long n-gram match may end a plain run early for a probe: copying is found
