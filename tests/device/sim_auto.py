@@ -8,8 +8,11 @@ controller tuned between device sessions. Figures are the modeled ratio to plain
 
     python3 tests/device/sim_auto.py --modes dspark,lookup --per-class 3 --tokens 128
 
-The default costs are the H200's for the starter in bf16 (tests/device/results/h200-starter.log:
-a plain step ~4.4 ms pipelined, ~5.6 ms when a round waits on it, a DSpark round ~10.8 ms).
+The default costs are the H200's for the starter in fp16 with the cheaper verifies
+(tests/device/results/h200-verify-width-float16.json, h200-auto9-*: a plain step ~3.6 ms
+pipelined, a verify of up to 8 rows ~6.0 ms, a DSpark call ~1.2 ms plus ~0.3 ms per context piece
+it catches up on; a round then costs 1.9-2.3 plain steps, as the H200 runs realized). The costs
+before that work: ``--step 4.4 --sync 5.6 --width-ms 0.05 --draft 4.2 --piece 0.4`` (h200-starter.log).
 """
 
 from __future__ import annotations
@@ -84,11 +87,11 @@ def main() -> int:
     ap.add_argument("--per-class", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2, help="passes over the prompts (state carries over)")
-    ap.add_argument("--step", type=float, default=4.4)
-    ap.add_argument("--sync", type=float, default=5.6)
-    ap.add_argument("--width-ms", type=float, default=0.05)
-    ap.add_argument("--draft", type=float, default=4.2)
-    ap.add_argument("--piece", type=float, default=0.4)
+    ap.add_argument("--step", type=float, default=3.6)
+    ap.add_argument("--sync", type=float, default=6.0)
+    ap.add_argument("--width-ms", type=float, default=0.01)
+    ap.add_argument("--draft", type=float, default=1.2)
+    ap.add_argument("--piece", type=float, default=0.3)
     ap.add_argument("--lookup-ms", type=float, default=0.1)
     ap.add_argument("--cal", choices=("optimistic", "matched"), default="optimistic",
                     help="the calibration the controller starts from: the GPU's optimistic curves, or "
