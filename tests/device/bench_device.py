@@ -7,15 +7,15 @@ after every step, so a call stopped at its limit still returns what was measured
 
 Parts:
 
-* ``starter``: the starter GGUF (``--gguf``) in each ``--dtypes`` (bfloat16 / float16; quantized
-  weights stay quantized), with its shipped DSpark drafter (lookup first, as its registry row
+* ``starter``: the starter GGUF (``--gguf``) in each ``--dtypes`` (bfloat16 / float16; a GGUF is
+  dequantized when it is converted, so the weights are dense), with its shipped DSpark drafter (lookup first, as its registry row
   says). First a compile-storm check, each in a fresh process: the same prompt three times per
   mode (baseline, lookup, dspark@6), first run vs later runs, with the stable-shape policy off
   (``TANDEM_STABLE_SHAPES=0``, the shapes of the code before it) and on. Then ``tandem benchmark``
   (warm-up, calibrations, every arm interleaved) on chat/code/math: baseline, lookup and dspark at
   ``auto`` and at the drafter's full block.
 * ``pair``: the built-in Qwen2.5-Coder-1.5B GGUF (``--target``) in each ``--dtypes`` (default
-  bfloat16; quantized weights stay quantized) with the 0.5B GGUF (``--draft``) as its draft model
+  bfloat16; dense, as every converted GGUF) with the 0.5B GGUF (``--draft``) as its draft model
   (mode ``draft``; the 0.5B loads by the platform's policy, its dtype is recorded). First a check
   on one prompt (baseline vs ``draft@4``: same tokens, acceptance), then ``tandem benchmark`` on
   chat/code/math with traces: baseline, ``baseline-2`` (the A/A noise floor), lookup@auto and
