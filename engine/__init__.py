@@ -3,8 +3,9 @@
 Three layers; imports point down only (``tests/test_layout.py`` checks it):
 
 * core: ``target`` (the model wrapper: taps, forward, prefill), ``compiled`` (its compiled small
-  forwards on the CPU), ``cuda_skinny`` (its verifies' matmuls on CUDA), ``caches`` (cache transactions), ``recurrent`` (rewinding recurrent state), ``shapes``
-  (stable attention/verify shapes on CUDA), ``sampling``, ``speculative`` (the one verify loop),
+  forwards on the CPU), ``cuda_skinny`` (its verifies' matmuls on CUDA), ``caches`` (cache
+  transactions), ``recurrent`` (rewinding recurrent state), ``shapes`` (stable attention/verify
+  shapes on CUDA), ``sampling``, ``speculative`` (the one verify loop),
   ``detokenize``, ``drafters/`` (one small class per drafter behind ``drafters.base.Drafter``), model
   loading (``loading``, ``gguf``, ``starter``) and ``platform`` + ``skinny_gemm`` (BLAS);
 * orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``prefix_cache`` +

@@ -135,6 +135,12 @@ def self_test(dtypes: tuple = DTYPES) -> str:
     why = available()
     if why:
         return why
+    return _self_test(tuple(sorted(dtypes, key=str)))
+
+
+@lru_cache(maxsize=None)
+def _self_test(dtypes: tuple) -> str:
+    # Once per process and dtype set: a target and its draft model each install the kernel.
     try:
         for dtype in dtypes:
             for k, n in ((576, 1536), (100, 40)):  # vector loads, then the unaligned scalar path

@@ -279,8 +279,8 @@ class Target:
         if _close(got, want, _tolerance(want)):
             self.shapes = policy
         else:
-            diff = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
-            self._refuse_shapes(f"a padded verify's logits differ from the plain cache's by {diff:.3g} ({want.dtype})")
+            self._refuse_shapes(f"a padded verify's logits differ from the plain cache's by "
+                                f"{_gap(got, want):.3g} ({want.dtype})")
 
     def _refuse_shapes(self, reason: str) -> None:
         # Loud: without the policy a CUDA backend compiles new shapes nearly every round.
@@ -487,6 +487,7 @@ def _tolerance(reference: mx.array) -> float:
 
 
 def _gap(a: mx.array, b: mx.array) -> float:
+    """The largest elementwise difference, in float32."""
     return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
 
 
@@ -496,4 +497,4 @@ def _close(a: mx.array, b: mx.array, tolerance: float = PROBE_TOLERANCE, relativ
         return False
     scale = mx.abs(b.astype(mx.float32)).max().item()
     scale = scale if relative else max(1.0, scale)
-    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() <= tolerance * max(scale, 1e-30)
+    return _gap(a, b) <= tolerance * max(scale, 1e-30)

@@ -4,7 +4,8 @@ bf16, h200-auto7), with no pipeline refill to blame (a run's time fits n x step 
 
     python3 tests/device/parked_steps.py --gguf STARTER.gguf --dtype bfloat16 --json OUT.json
 
-Arms, interleaved in rotated order on each prompt (the starter with its lookup-first DSpark drafter):
+Arms, interleaved on each prompt as the benchmark's are (``engine.benchmark.arm_order``; the
+starter with its lookup-first DSpark drafter):
   baseline       no drafter
   parked         the drafter attached, never proposing (``FixedCap(0)``): the tap and its commits
   parked-notap   the same without the tap (the plain steps return no hidden rows)
@@ -30,6 +31,7 @@ import mlx.core as mx
 
 import engine.api as api
 import engine.speculative as speculative
+from engine.benchmark import arm_order
 from engine.prompts import load_prompts
 from engine.speculative import PLAIN_FOREVER, FixedCap
 
@@ -129,10 +131,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for rep in range(args.reps):
         for j, (cls, ids) in enumerate(prompts):
-            shift = (rep + j) % len(arms)
-            order = arms[shift:] + arms[:shift]
             got, trace = {}, {}
-            for arm in order:
+            for arm in (arms[i] for i in arm_order(len(arms), rep, j, len(prompts))):
                 step, runs, events = run(arm, ids)
                 got[arm], trace[arm] = step, step_times(events)
                 ms[arm].append((cls, step))

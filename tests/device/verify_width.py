@@ -4,9 +4,10 @@ so a round must keep ~1.4 drafts just to break even.
 
     python3 tests/device/verify_width.py --gguf STARTER.gguf --dtype bfloat16 --json OUT.json
 
-All arms of a table run interleaved, in rotated order, ``--reps`` times (the H200's timings drift
-by up to 2x between minutes, so arms timed one after another are not comparable); each figure is
-the median ms of one call.
+All arms of a table run interleaved ``--reps`` times, as the benchmark's are (rotated, reversed
+every other repetition: ``engine.benchmark.arm_order``), because the H200's timings drift by up
+to 2x between minutes and arms timed one after another are not comparable; each figure is the
+median ms of one call.
 
 Whole forwards on a 180-token context (each trimmed back after), W = 2, 4, 8 rows:
   step                  one row, as a plain step runs it
@@ -37,19 +38,20 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine import api, cuda_skinny, shapes
+from engine.benchmark import arm_order
 from engine.prompts import load_prompts
 
 WIDTHS = (2, 4, 8)
 
 
 def race(arms: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Median ms per call of each arm, the arms interleaved in rotated order."""
+    """Median ms per call of each arm, the arms interleaved as the benchmark's are."""
     names = list(arms)
     for fn in arms.values():
         fn()  # warm: the first call of a shape builds its kernels and graph
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
-        for n in names[r % len(names):] + names[:r % len(names)]:
+        for n in (names[i] for i in arm_order(len(names), r, 0, 1)):
             t0 = time.perf_counter()
             arms[n]()
             times[n].append(1000 * (time.perf_counter() - t0))
