@@ -289,14 +289,15 @@ def _plain_run_length(policy: CapPolicy) -> int:
 
 
 def _cheap_draft_stop(policy: CapPolicy, drafter: Drafter, ids: list[int]) -> Callable[[], bool] | None:
-    """For a plain run: a check that ends it early when a cheap draft is ready (and tells the
-    policy), or None when the policy is not watching."""
+    """For a plain run: a check that ends it early when the policy is watching and a cheap draft
+    is ready (and tells the policy), or None for a policy that never watches. Asked at every
+    step: a policy may start watching in the middle of a long parked run."""
     watching = getattr(policy, "watch_cheap_drafts", None)
-    if watching is None or not watching():
+    if watching is None:
         return None
 
     def stop() -> bool:
-        if drafter.cheap_draft_ready(ids):
+        if watching() and drafter.cheap_draft_ready(ids):
             policy.cheap_draft()
             return True
         return False

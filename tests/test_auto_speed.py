@@ -344,7 +344,42 @@ def test_a_cheap_draft_ends_a_parked_plain_run_for_a_probe(eng):
     assert not ctrl.state.parked and sum(1 for p, c in starts if p > 200 and c == 0) <= 1
 
 
-def test_lookup_calls_only_a_long_verbatim_match_cheap():
+def test_a_parked_run_that_starts_unwatched_is_watched_once_the_policy_looks_again(eng):
+    """A cheap probe was just tried, so the long parked run that follows starts unwatched; once
+    the policy watches again (its CHEAP_GAP elapsed) a cheap draft ends the run at that step,
+    not at the run's end (a whole answer's copying went unseen that way on the H200 traces)."""
+    ref = reference(eng, 60)
+
+    class Cheap(Oracle):
+        def cheap_draft_ready(self, ids):
+            return True
+
+    class WatchLater:
+        def __init__(self):
+            self.steps, self.told, self.history = 0, 0, []
+
+        def cap(self):
+            self.history.append(4 if self.told else 0)
+            return self.history[-1]
+
+        def plain_run(self):
+            return 1000
+
+        def watch_cheap_drafts(self):
+            return self.steps >= 5
+
+        def cheap_draft(self):
+            self.told += 1
+
+        def observe(self, drafted, accepted, seconds):
+            self.steps += drafted == 0
+
+    policy = WatchLater()
+    out = [t for o, _ in decode(eng.target, Cheap(ref), PROMPT, Sampler(SamplingParams()), max_new_tokens=60,
+                                cap_policy=policy) for t in o]
+    assert out == ref
+    assert policy.told == 1 and policy.history[:2] == [0, 4]  # one run, ended for the probe
+    assert policy.steps == 6  # the step the watch began (the fifth was asked about the sixth's forward)
     from engine.drafters.lookup import STRONG_MATCH, LookupDrafter
     from engine.drafters.lookup_first import LookupFirst
 
