@@ -40,6 +40,9 @@ CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rou
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
 CLEAR_WIN = 1.3  # the last request's latest rounds beat timed plain steps this much: the next skips its warm steps
+STALE_PLAIN = 1.0  # plain steps timed on earlier requests count as at most this many steps in a new one: a
+# machine's pace drifts (the H200's by up to 2x within a minute), and rounds must be judged against plain
+# steps timed at the same pace, not against an average over minutes
 
 
 # ===================================================================== the calibration record
@@ -254,7 +257,8 @@ class LearnedState:
         self.accepted_at = [x * factor for x in self.accepted_at]
         self.tried_at = [x * factor for x in self.tried_at]
         self.cost = [x * factor for x in self.cost]
-        self.plain = [x * factor for x in self.plain]
+        scale = min(factor, STALE_PLAIN / self.plain[0]) if self.plain[0] > 0 else factor
+        self.plain = [x * scale for x in self.plain]
         self.last_spell = [0.0, 0.0, 0.0] if self.parked else self.realized
         self.realized = [0.0, 0.0, 0.0]  # new content: a spell is judged on its own rounds
         self.probes = [x * factor for x in self.probes]
@@ -336,7 +340,9 @@ class CapController:
       No warm plain steps, no cost fit, no realized-rate parking.
     * ``warm_plain``: plain steps that open each request (unseeded), timing plain steps at this
       context before the first round; skipped when the last request's latest rounds beat plain
-      steps timed lately by ``CLEAR_WIN``.
+      steps timed lately by ``CLEAR_WIN``, and then taken once its own rounds stop winning that
+      clearly (the steps it would judge them by were timed at another pace). Plain steps timed
+      on earlier requests weigh at most ``STALE_PLAIN`` steps in a new one.
 
     The cap only decides how many drafts are verified, never what is committed: lossless.
     """
@@ -377,8 +383,11 @@ class CapController:
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
-        # plain steps that open a request: its plain cost, live (not after a clear win)
-        self._warm = 0 if seeded or self._clear_win() else warm_plain
+        # plain steps that open a request: its plain cost, live (not after a clear win; then, once,
+        # when its rounds stop winning clearly: the pace they were judged at may be stale)
+        self._warm_plain = warm_plain
+        self._retime = not seeded and warm_plain > 0 and self._clear_win()
+        self._warm = 0 if seeded or self._retime else warm_plain
         self._last_cap = 0
         self.history: list[int] = []  # cap returned per round (telemetry, tests)
         if self.state.cap is None or self.state.cap > self.max_cap:
@@ -518,6 +527,10 @@ class CapController:
             keep = 1.0 - self.realized_decay
             r, t, total = st.realized
             st.realized = [r + 1.0, t * keep + accepted + 1.0, total * keep + ms]
+        if self._retime and not st.parked and st.realized[0] >= self.min_rounds // 2 and \
+                st.realized[1] / st.realized[2] * self.plain_ms() < CLEAR_WIN:
+            self._retime, self._warm = False, self._warm_plain  # time plain steps now, before judging
+            return
         if not st.parked and not self._probing and self._losing():
             self._park_losing()
             return

@@ -305,6 +305,33 @@ def test_a_costly_probe_waits_for_its_budget_across_short_answers(eng):
     assert state.budget_gap() > M.NEW_REQUEST_GAP
 
 
+def test_rounds_are_judged_against_plain_steps_timed_at_their_own_pace(eng):
+    """A machine's pace drifts (the H200's by up to 2x within a minute). A request that ended in
+    a clear win on a slow spell, after many plain steps timed at that pace, lets the next one
+    skip its warm steps; on a fast spell that one's rounds (one token for 2.2 plain steps) look
+    even against the stale steps. It times plain steps at its own pace once its rounds stop
+    winning clearly, and parks them."""
+    ref = reference(eng, 128)
+    state = M.LearnedState()
+    slow = Oracle(ref, right_from=30)  # wrong drafts, then right ones: parked, then a clear win
+    clock = CostClock(eng.target, slow, step=3.0, verify=lambda w: 3.3, draft=1.5)
+    tokens, stats = run_auto(eng, slow, M.CapController(optimistic_cal(), slow.max_draft, state=state,
+                                                        warm_plain=4), clock, n=128)
+    assert tokens == ref and not state.parked and state.plain[0] > 8  # many plain steps timed at 3 ms
+    state.shrink()
+    fast = Oracle(ref, right_from=10 ** 6)  # every first draft rejected
+    clock = CostClock(eng.target, fast, step=1.0, verify=lambda w: 1.7, draft=0.5)
+    ctrl = M.CapController(optimistic_cal(), fast.max_draft, state=state, warm_plain=4)
+    tokens, stats = run_auto(eng, fast, ctrl, clock, n=128)
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert caps[0] > 0  # the last request won clearly: no warm steps
+    first_plain = caps.index(0)
+    assert first_plain <= ctrl.min_rounds  # re-timed once the rounds stopped winning clearly
+    assert ctrl.plain_ms() < 1.5 and state.parked
+    assert sum(1 for c in caps if c > 0) <= ctrl.min_rounds + 4  # parked within a few rounds, probes apart
+
+
 def test_a_parked_controller_unparks_when_acceptance_rises(eng):
     ref = reference(eng, 400)
     drafter = Oracle(ref, right_from=60)

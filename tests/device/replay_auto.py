@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -96,6 +97,8 @@ def record(args) -> int:
 
 
 # ===================================================================== replay
+COSTS = ("step", "sync", "width_ms", "draft", "piece", "lookup_ms", "switch")
+
 def _accepted(draft: list[int], following: list[int]) -> int:
     n = 0
     for d, g in zip(draft, following):
@@ -189,6 +192,7 @@ def replay(args) -> int:
     arms = ["auto"] + [str(c) for c in args.fixed]
     best: dict[int, float] = {}  # per trace: the best of plain decoding and the fixed arms
     for arm in arms[::-1]:
+        rng, request = random.Random(args.seed), 0  # every arm meets the same paces
         state, per_cls, rounds_n, regret = None, {}, [], {}
         for p in range(args.passes):
             for trace in traces:
@@ -200,10 +204,16 @@ def replay(args) -> int:
                     policy = M.CapController(cal, data["max_draft"], state=state, warm_plain=WARM_PLAIN, **kwargs)
                 else:
                     policy = FixedCap(int(arm))
-                ms, rounds = replay_one(trace, policy, args, cut, data["max_draft"], args.tokens)
+                costs = args
+                if args.drift or args.paces:  # this request's pace: the whole machine slower by a factor
+                    paces = [float(x) for x in args.paces.split(",")] if args.paces else None
+                    pace = paces[request % len(paces)] if paces else 1.0 + args.drift * rng.random()
+                    request += 1
+                    costs = argparse.Namespace(**{k: v * pace if k in COSTS else v for k, v in vars(args).items()})
+                ms, rounds = replay_one(trace, policy, costs, cut, data["max_draft"], args.tokens)
                 if p == args.passes - 1:
                     n = min(len(trace["gen"]), args.tokens)
-                    ratio = (n - 1) * args.step / ms
+                    ratio = (n - 1) * costs.step / ms
                     per_cls.setdefault(trace["cls"], []).append(ratio)
                     if arm != "auto":
                         best[id(trace)] = max(best.get(id(trace), 1.0), ratio)
@@ -249,6 +259,11 @@ def main() -> int:
     rep.add_argument("--piece", type=float, default=0.3)
     rep.add_argument("--lookup-ms", type=float, default=0.1)
     rep.add_argument("--switch", type=float, default=0.0, help="extra ms of a plain run's first step after a round")
+    rep.add_argument("--drift", type=float, default=0.0,
+                     help="each request runs on a machine slower by a random factor in [1, 1 + drift] (the H200's "
+                          "timings moved up to 2x between minutes); each is compared with plain steps at its pace")
+    rep.add_argument("--paces", default="", help="the requests' paces in turn instead, e.g. 1.8,1")
+    rep.add_argument("--seed", type=int, default=0)
     rep.add_argument("--cal", choices=("optimistic", "matched"), default="optimistic")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     rep.add_argument("--show", action="store_true")
