@@ -76,13 +76,31 @@ def mapped_blas_libraries() -> list[str]:
 # on the H200 the starter's baseline ran 3.7-7.9 ms a step in a benchmark process at 400, 3.2-5.0
 # at 2000 (tests/device/results/README.md).
 CUDA_GRAPH_CACHE = 2000
+MLX_GRAPH_CACHE = 400  # MLX's own default
+_GRAPH_CACHE_RAISED = False  # whether cuda_defaults set it (the user did not)
 
 
 def cuda_defaults() -> str:
     """Raise MLX's CUDA graph cache (``MLX_CUDA_GRAPH_CACHE_SIZE``) unless the user set it. MLX
     reads it when a GPU stream first encodes work, so this runs when ``engine`` is imported.
     Harmless on Metal and the CPU backend. Returns the value in force."""
-    return os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", str(CUDA_GRAPH_CACHE))
+    global _GRAPH_CACHE_RAISED
+    if "MLX_CUDA_GRAPH_CACHE_SIZE" not in os.environ:
+        os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] = str(CUDA_GRAPH_CACHE)
+        _GRAPH_CACHE_RAISED = True
+    return os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"]
+
+
+def batch_defaults() -> str:
+    """For batched work (``tandem train-drafter``), before any GPU work: MLX's own graph cache
+    again, unless the user set one. A cached graph keeps its buffers, and a batch of 1024
+    answers makes large ones: at 2000 the second wave of the starter's answers ran the H200
+    out of memory (``tests/device/results/h200-train6-generate.log``). Returns the value in force."""
+    global _GRAPH_CACHE_RAISED
+    if _GRAPH_CACHE_RAISED:
+        os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"] = str(MLX_GRAPH_CACHE)
+        _GRAPH_CACHE_RAISED = False
+    return os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE", str(MLX_GRAPH_CACHE))
 
 
 def preload_blas() -> BlasStatus:

@@ -100,6 +100,20 @@ def test_importing_engine_raises_the_cuda_graph_cache_unless_the_user_set_it():
     assert rows["CUDA graph cache"].startswith(os.environ["MLX_CUDA_GRAPH_CACHE_SIZE"])
 
 
+def test_train_drafter_runs_with_mlx_s_own_graph_cache_unless_the_user_set_one():
+    """Batched generation keeps large graphs: the raised cache ran the H200 out of memory."""
+    probe = """
+        import json, os
+        import engine
+        from engine.cli import train
+        train.run_stages = lambda args: 0  # what train-drafter's run does first, and no more
+        train.run(None)
+        print(json.dumps({"size": os.environ.get("MLX_CUDA_GRAPH_CACHE_SIZE")}))
+    """
+    assert run_py(probe, unset=("MLX_CUDA_GRAPH_CACHE_SIZE",))["size"] == str(platform.MLX_GRAPH_CACHE)
+    assert run_py(probe, MLX_CUDA_GRAPH_CACHE_SIZE="3000")["size"] == "3000"
+
+
 def test_preload_is_idempotent_and_remembered():
     assert platform.preload_blas() is platform.preload_blas() is platform.blas_status()
 

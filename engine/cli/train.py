@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine import platform
 from engine.train.config import TrainConfig
 from engine.train.pipeline import STAGES, run_stages
 
@@ -78,4 +79,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    platform.batch_defaults()  # before any GPU work
     return run_stages(args)
