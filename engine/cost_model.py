@@ -40,9 +40,9 @@ CLEAR_LOSS = 1.25  # rounds this much slower than plain steps park after min_rou
 SURE_LOSS = 1.5  # ... and this much slower after SURE_ROUNDS (a GPU round that costs 2.4 plain steps
 SURE_ROUNDS = 2  # and commits 1.5 tokens loses 3 ms a round: every round counts)
 CLEAR_WIN = 1.3  # the last request's latest rounds beat timed plain steps this much: the next skips its warm steps
-STALE_PLAIN = 1.0  # plain steps timed on earlier requests count as at most this many steps in a new one: a
-# machine's pace drifts (the H200's by up to 2x within a minute), and rounds must be judged against plain
-# steps timed at the same pace, not against an average over minutes
+STALE_PLAIN = 1.0  # plain steps timed on earlier requests count as at most this many steps in a new one ...
+FRESH_PLAIN = 2  # ... and not at all once it has timed this many: a machine's pace drifts (the H200's by
+# up to 2x within a minute), and rounds must be judged against plain steps timed at their pace
 
 
 # ===================================================================== the calibration record
@@ -313,7 +313,7 @@ class CapController:
       emit) are fit as ``c0 + c1 * g(k)``, ``g`` the curve's extra cost of ``k`` drafts over a
       plain step, by decayed least squares shrunk toward the calibration. Plain steps (pipelined
       runs, each run's first and last step apart) are timed on their own: cap 0 is priced at
-      the realized plain step.
+      the realized plain step, this request's own once it has timed ``FRESH_PLAIN`` of them.
     * Every ``repick_every`` rounds, switch to the best cap when it beats the current one by
       ``hysteresis``. Cap 0 (plain steps) is allowed after ``park_after`` informative rounds,
       and forced, checked after every round, when the rounds since the last unparking (or
@@ -383,6 +383,8 @@ class CapController:
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
+        self._fresh_plain = [0.0, 0.0]  # this request's timed plain steps (decayed): steps, ms
+        self._fresh_timed = 0  # ... how many
         # plain steps that open a request: its plain cost, live (not after a clear win; then, once,
         # when its rounds stop winning clearly: the pace they were judged at may be stale)
         self._warm_plain = warm_plain
@@ -437,10 +439,15 @@ class CapController:
         return tokens / ms * self.plain_ms() >= CLEAR_WIN
 
     def plain_ms(self) -> float:
-        """One plain step: the realized pipelined steps, shrunk toward the calibration."""
+        """One plain step: once this request has timed ``FRESH_PLAIN`` steps, theirs alone (its
+        own pace); before, the steps timed on earlier requests shrunk toward the calibration
+        (which was timed once, at its own pace: on the H200 one read 7.95 ms against 4-5)."""
         prior = self.cal.plain_step_ms()
         if self.seeded:
             return prior
+        if self._fresh_timed >= FRESH_PLAIN:
+            steps, ms = self._fresh_plain
+            return ms / steps
         steps, ms = self.state.plain
         return (ms + self.plain_prior * prior) / (steps + self.plain_prior)
 
@@ -509,10 +516,13 @@ class CapController:
             # A run's first step fills the pipeline, and its last may come out already done (on the
             # CPU backend reading a token waits for the step queued behind it too: a 3-step run
             # reads 2 steps, 1, ~0): only the steps between are timed, each once the next is seen.
-            if not self.seeded and seconds > 0:
-                if self._run_pos >= 2 and self._pending_plain > 0:
+            if not self.seeded:
+                if self._run_pos >= 2 and self._pending_plain > 0:  # the next is seen, however long it took
                     keep = 1.0 - self.plain_decay
                     st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + self._pending_plain]
+                    steps, ms = self._fresh_plain
+                    self._fresh_plain = [steps * keep + 1.0, ms * keep + self._pending_plain]
+                    self._fresh_timed += 1
                 self._pending_plain = seconds * 1000.0  # the first's is replaced before it could count
             self._run_pos += 1
             return

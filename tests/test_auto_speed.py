@@ -332,6 +332,23 @@ def test_rounds_are_judged_against_plain_steps_timed_at_their_own_pace(eng):
     assert sum(1 for c in caps if c > 0) <= ctrl.min_rounds + 4  # parked within a few rounds, probes apart
 
 
+def test_a_calibration_timed_in_a_slow_minute_does_not_outweigh_the_request_s_own_steps(eng):
+    """The calibration is timed once (on the H200 one read a plain step at 7.95 ms where the
+    benchmark's ran at 4-5). Once a request has timed two plain steps they alone price a plain
+    step, so rounds that lose two to one at the request's pace park after SURE_ROUNDS."""
+    ref = reference(eng, 96)
+    drafter = Oracle(ref, right_from=10 ** 6)  # one token a round
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.7, draft=0.5)
+    slow = M.Calibration.synthetic(lambda w: 3.0, 8, plain_ms=3.0)
+    ctrl = M.CapController(slow, drafter.max_draft, warm_plain=4)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock, n=96)
+    assert tokens == ref
+    caps = stats.caps[1:]
+    assert caps[:4] == [0, 0, 0, 0] and abs(ctrl.plain_ms() - 1.0) < 1e-6
+    assert caps[4 : 4 + M.SURE_ROUNDS] == [caps[4]] * M.SURE_ROUNDS and caps[4] > 0
+    assert caps[4 + M.SURE_ROUNDS] == 0  # parked after SURE_ROUNDS rounds, not after min_rounds
+
+
 def test_a_parked_controller_unparks_when_acceptance_rises(eng):
     ref = reference(eng, 400)
     drafter = Oracle(ref, right_from=60)

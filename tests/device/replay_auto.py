@@ -188,7 +188,8 @@ def replay(args) -> int:
     verify, draft_ms = (lambda w: args.step * (1.0 + 0.01 * w)), 1.0  # the GPU's optimistic curves
     if args.cal == "matched":
         verify, draft_ms = (lambda w: args.sync + args.width_ms * (w - 1)), args.draft
-    cal = M.Calibration.synthetic(verify, 16, plain_ms=args.step, draft=lambda c: draft_ms)
+    k = args.cal_pace  # the calibration timed at another pace than the requests run at
+    cal = M.Calibration.synthetic(lambda w: k * verify(w), 16, plain_ms=k * args.step, draft=lambda c: k * draft_ms)
     arms = ["auto"] + [str(c) for c in args.fixed]
     best: dict[int, float] = {}  # per trace: the best of plain decoding and the fixed arms
     for arm in arms[::-1]:
@@ -265,6 +266,7 @@ def main() -> int:
     rep.add_argument("--paces", default="", help="the requests' paces in turn instead, e.g. 1.8,1")
     rep.add_argument("--seed", type=int, default=0)
     rep.add_argument("--cal", choices=("optimistic", "matched"), default="optimistic")
+    rep.add_argument("--cal-pace", type=float, default=1.0, help="the calibration was timed this much slower")
     rep.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     rep.add_argument("--show", action="store_true")
     rep.add_argument("--detail", action="store_true")
