@@ -135,7 +135,7 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
             continue
         round_ms = costs.lookup_ms
         draft = trace["lookup"][t][:cap]
-        if not draft:
+        if not draft and costs.mode == "dspark":
             keep = len(trace["block"][t]) if threshold is None else keep_count(trace["conf"][t], threshold, rule)
             draft = trace["block"][t][:min(keep, cap)]
             pieces = 1 if seen is None else bin(max(0, t - seen)).count("1")
@@ -189,7 +189,8 @@ def replay(args) -> int:
     if args.cal == "matched":
         verify, draft_ms = (lambda w: args.sync + args.width_ms * (w - 1)), args.draft
     k = args.cal_pace  # the calibration timed at another pace than the requests run at
-    cal = M.Calibration.synthetic(lambda w: k * verify(w), 16, plain_ms=k * args.step, draft=lambda c: k * draft_ms)
+    cal = M.Calibration.synthetic(lambda w: k * verify(w), 16, plain_ms=k * args.step,
+                                  draft=(lambda c: k * draft_ms) if args.mode == "dspark" else None)
     arms = ["auto"] + [str(c) for c in args.fixed]
     best: dict[int, float] = {}  # per trace: the best of plain decoding and the fixed arms
     for arm in arms[::-1]:
@@ -251,6 +252,8 @@ def main() -> int:
     rep.add_argument("--per-class", type=int, default=1 << 30)
     rep.add_argument("--tokens", type=int, default=128)
     rep.add_argument("--passes", type=int, default=2, help="passes over the prompts (state carries over)")
+    rep.add_argument("--mode", choices=("dspark", "lookup"), default="dspark",
+                     help="dspark: lookup first, else DSpark's block (the starter's default); lookup: n-gram lookup alone")
     rep.add_argument("--cut", default="slot@0.3", help="DSpark's confidence cut, rule@threshold (slot@0: none)")
     rep.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-cap arms too")
     rep.add_argument("--step", type=float, default=3.6)
