@@ -8,8 +8,9 @@ depend on the caps, so these traces hold every round any cap policy could run on
 ``replay`` then drives the real ``CapController`` (or fixed caps) over the traces on a modeled
 device clock (the costs of ``sim_auto.py``: a pipelined plain step, a synced verify plus a little
 per row, a DSpark call plus its catch-up pieces, a lookup), with any confidence cut, and prints
-the modeled speed over plain decoding per class. It matches ``sim_auto.py`` round for round but
-needs no model, so many prompts and many controller settings can be compared:
+the modeled speed over plain decoding per class. It agrees with ``sim_auto.py`` (the fixed arms
+to the third decimal where no answer ends early: ``sim_auto.py`` ignores EOS) but needs no model,
+so many prompts and many controller settings can be compared in seconds:
 
     python3 tests/device/replay_auto.py record --per-class 12 --out /tmp/traces.json.gz
     python3 tests/device/replay_auto.py replay /tmp/traces.json.gz --fixed 7 \\
@@ -35,6 +36,9 @@ import engine  # noqa: E402,F401  (preloads BLAS)
 from engine import cost_model as M  # noqa: E402
 from engine.calibrate import WARM_PLAIN  # noqa: E402
 from engine.drafters.dspark import keep_count  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_auto import add_cost_arguments  # noqa: E402
 
 
 # ===================================================================== record
@@ -99,6 +103,7 @@ def record(args) -> int:
 # ===================================================================== replay
 COSTS = ("step", "sync", "width_ms", "draft", "piece", "lookup_ms", "switch")
 
+
 def _accepted(draft: list[int], following: list[int]) -> int:
     n = 0
     for d, g in zip(draft, following):
@@ -120,7 +125,7 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
         remaining = total - (t + 1)
         cap = max(0, min(policy.cap(), max_draft, remaining - 1))
         if cap == 0:
-            run = max(1, min(M_plain_run(policy), remaining))
+            run = max(1, min(_plain_run_length(policy), remaining))
             watching = getattr(policy, "watch_cheap_drafts", lambda: False)
             for i in range(run):
                 step = costs.step + (costs.switch if after_round and i == 0 else 0.0)
@@ -152,7 +157,7 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
     return ms, rounds
 
 
-def M_plain_run(policy) -> int:
+def _plain_run_length(policy) -> int:
     run = getattr(policy, "plain_run", None)
     return int(run()) if run is not None else 1
 
@@ -188,9 +193,9 @@ def replay(args) -> int:
     verify, draft_ms = (lambda w: args.step * (1.0 + 0.01 * w)), 1.0  # the GPU's optimistic curves
     if args.cal == "matched":
         verify, draft_ms = (lambda w: args.sync + args.width_ms * (w - 1)), args.draft
-    k = args.cal_pace  # the calibration timed at another pace than the requests run at
-    cal = M.Calibration.synthetic(lambda w: k * verify(w), 16, plain_ms=k * args.step,
-                                  draft=(lambda c: k * draft_ms) if args.mode == "dspark" else None)
+    slow = args.cal_pace  # the calibration timed at another pace than the requests run at
+    cal = M.Calibration.synthetic(lambda w: slow * verify(w), 16, plain_ms=slow * args.step,
+                                  draft=(lambda c: slow * draft_ms) if args.mode == "dspark" else None)
     arms = ["auto"] + [str(c) for c in args.fixed]
     best: dict[int, float] = {}  # per trace: the best of plain decoding and the fixed arms
     for arm in arms[::-1]:
@@ -211,7 +216,8 @@ def replay(args) -> int:
                     paces = [float(x) for x in args.paces.split(",")] if args.paces else None
                     pace = paces[request % len(paces)] if paces else 1.0 + args.drift * rng.random()
                     request += 1
-                    costs = argparse.Namespace(**{k: v * pace if k in COSTS else v for k, v in vars(args).items()})
+                    costs = argparse.Namespace(**{name: value * pace if name in COSTS else value
+                                                  for name, value in vars(args).items()})
                 ms, rounds = replay_one(trace, policy, costs, cut, data["max_draft"], args.tokens)
                 if p == args.passes - 1:
                     n = min(len(trace["gen"]), args.tokens)
@@ -256,12 +262,7 @@ def main() -> int:
                      help="dspark: lookup first, else DSpark's block (the starter's default); lookup: n-gram lookup alone")
     rep.add_argument("--cut", default="slot@0.3", help="DSpark's confidence cut, rule@threshold (slot@0: none)")
     rep.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-cap arms too")
-    rep.add_argument("--step", type=float, default=3.6)
-    rep.add_argument("--sync", type=float, default=6.0)
-    rep.add_argument("--width-ms", type=float, default=0.01)
-    rep.add_argument("--draft", type=float, default=1.2)
-    rep.add_argument("--piece", type=float, default=0.3)
-    rep.add_argument("--lookup-ms", type=float, default=0.1)
+    add_cost_arguments(rep)
     rep.add_argument("--switch", type=float, default=0.0, help="extra ms of a plain run's first step after a round")
     rep.add_argument("--drift", type=float, default=0.0,
                      help="each request runs on a machine slower by a random factor in [1, 1 + drift] (the H200's "

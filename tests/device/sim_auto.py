@@ -81,18 +81,23 @@ class ModeledClock:
             delattr(obj, name)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="dspark,lookup")
-    ap.add_argument("--per-class", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--passes", type=int, default=2, help="passes over the prompts (state carries over)")
+def add_cost_arguments(ap: argparse.ArgumentParser) -> None:
+    """The modeled device's costs in ms (``ModeledClock``), shared with ``replay_auto.py``."""
     ap.add_argument("--step", type=float, default=3.6)
     ap.add_argument("--sync", type=float, default=6.0)
     ap.add_argument("--width-ms", type=float, default=0.01)
     ap.add_argument("--draft", type=float, default=1.2)
     ap.add_argument("--piece", type=float, default=0.3)
     ap.add_argument("--lookup-ms", type=float, default=0.1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="dspark,lookup")
+    ap.add_argument("--per-class", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=2, help="passes over the prompts (state carries over)")
+    add_cost_arguments(ap)
     ap.add_argument("--cal", choices=("optimistic", "matched"), default="optimistic",
                     help="the calibration the controller starts from: the GPU's optimistic curves, or "
                          "curves that match the modeled clock (a CPU run: --step 47 --sync 56 --width-ms 14 --draft 13)")
