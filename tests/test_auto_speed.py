@@ -424,6 +424,9 @@ def test_a_parked_run_that_starts_unwatched_is_watched_once_the_policy_looks_aga
     assert out == ref
     assert policy.told == 1 and policy.history[:2] == [0, 4]  # one run, ended for the probe
     assert policy.steps == 6  # the step the watch began (the fifth was asked about the sixth's forward)
+
+
+def test_lookup_calls_only_a_long_verbatim_match_cheap():
     from engine.drafters.lookup import STRONG_MATCH, LookupDrafter
     from engine.drafters.lookup_first import LookupFirst
 
