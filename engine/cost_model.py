@@ -436,7 +436,12 @@ class CapController:
         rounds, tokens, ms = self.state.last_spell  # all 0 after a request that ended parked
         if rounds < self.min_rounds // 2 or ms <= 0 or self.state.plain[0] < 0.5:
             return False
-        return tokens / ms * self.plain_ms() >= CLEAR_WIN
+        return self._speedup(self.state.last_spell) >= CLEAR_WIN
+
+    def _speedup(self, spell: list[float]) -> float:
+        """A spell's (rounds, tokens, ms) tokens per second over plain steps' (0 with no time)."""
+        _, tokens, ms = spell
+        return tokens / ms * self.plain_ms() if ms > 0 else 0.0
 
     def plain_ms(self) -> float:
         """One plain step: once this request has timed ``FRESH_PLAIN`` steps, theirs alone (its
@@ -538,7 +543,7 @@ class CapController:
             r, t, total = st.realized
             st.realized = [r + 1.0, t * keep + accepted + 1.0, total * keep + ms]
         if self._retime and not st.parked and st.realized[0] >= self.min_rounds // 2 and \
-                st.realized[1] / st.realized[2] * self.plain_ms() < CLEAR_WIN:
+                self._speedup(st.realized) < CLEAR_WIN:
             self._retime, self._warm = False, self._warm_plain  # time plain steps now, before judging
             return
         if not st.parked and not self._probing and self._losing():
@@ -625,12 +630,12 @@ class CapController:
         ``min_rounds`` / 2, a close one after ``min_rounds`` (noise)."""
         if self.seeded:
             return False
-        rounds, tokens, ms = self.state.realized
+        rounds, _, ms = self.state.realized
         if ms <= 0 or rounds < SURE_ROUNDS:
             return False
         margin = self.hysteresis if rounds >= self.min_rounds else \
             CLEAR_LOSS if rounds >= self.min_rounds // 2 else SURE_LOSS
-        return tokens / ms * 1000.0 * margin < 1000.0 / self.plain_ms()
+        return self._speedup(self.state.realized) * margin < 1.0
 
     def _park_losing(self) -> None:
         """Park after a losing spell; a short one (content that soon lost again) probes less often."""
