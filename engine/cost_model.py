@@ -496,6 +496,13 @@ class CapController:
     def cheap_draft(self) -> None:
         self._cheap = True
 
+    def no_draft(self) -> None:
+        """The drafter has nothing to propose after ``cap()`` said draft: the plain steps the loop
+        takes instead are plain steps (timed as such; a probe waits for a draft), not rounds."""
+        self._last_cap = 0
+        self._run_pos = 0
+        self._pending_plain = 0.0
+
     def plain_run(self) -> int:
         """Plain steps to take in a row now that ``cap()`` said 0: to the next probe, parked."""
         if self._warm > 0:

@@ -12,7 +12,9 @@ Plain steps (baseline, a parked ``--max-draft auto``, the last token) are pipeli
 so the host never waits on the device between tokens. The loop switches between runs of plain
 steps and speculative rounds as the cap policy asks (``CapPolicy.plain_run``): a run ends on a
 committed token that has not been fed to the target, exactly the state a round starts from.
-A round whose drafter has nothing to propose is one plain (unpipelined) step.
+A drafter that knows it has nothing to propose (``Drafter.draft_ready``: n-gram lookup with
+no match) gets pipelined plain steps until it has, the policy told (``no_draft``); a round
+whose drafter proposes nothing after all is one plain (unpipelined) step.
 
 Under a shape policy (``engine/shapes.py``, CUDA) a verify is padded to the next ladder width
 with filler rows after the drafts; their logits are never read and the verify's commit drops
@@ -67,6 +69,9 @@ class CapPolicy(Protocol):
     the method gets one) and reports each to ``observe`` with ``drafted == 0``. While the
     policy's optional ``watch_cheap_drafts()`` says so, the run ends early when the drafter has
     a cheap draft ready (``Drafter.cheap_draft_ready``), telling the policy ``cheap_draft()``.
+    When ``cap()`` is not 0 but the drafter has nothing to propose (``Drafter.draft_ready``),
+    the loop tells the optional ``no_draft()`` and takes plain steps, observed as above, until
+    the drafter has; then it asks ``cap()`` again.
     An optional ``observe_catch_up(seconds)`` hears of a drafter's catch-up before the round
     that ``observe`` reports next."""
 
@@ -224,9 +229,13 @@ def decode(
     while True:
         remaining = max_new_tokens - generated
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
-        if cap == 0:
+        if cap and not drafter.draft_ready(ids):  # nothing to propose (no n-gram match): plain steps until there is
+            _tell_no_draft(cap_policy)
+            cap, run, stop = 0, remaining, (lambda: drafter.draft_ready(ids))
+        elif cap == 0:
             run = max(1, min(_plain_run_length(cap_policy), remaining))
             stop = _cheap_draft_stop(cap_policy, drafter, ids)
+        if cap == 0:
             for out, event, done, hidden in _plain_run(target, cache, ids, sampler, run, tap, emit, stats, stop):
                 drafter.commit(ids, 1, hidden)
                 now = clock()
@@ -281,6 +290,12 @@ def _tell_catch_up(policy: CapPolicy, seconds: float) -> None:
     told = getattr(policy, "observe_catch_up", None)
     if told is not None:
         told(seconds)
+
+
+def _tell_no_draft(policy: CapPolicy) -> None:
+    told = getattr(policy, "no_draft", None)
+    if told is not None:
+        told()
 
 
 def _plain_run_length(policy: CapPolicy) -> int:

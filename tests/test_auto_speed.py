@@ -438,6 +438,60 @@ def test_lookup_calls_only_a_long_verbatim_match_cheap():
         assert drafter.cheap_draft_ready(text + text[:STRONG_MATCH])
 
 
+class Stretches(Oracle):
+    """Knows when it has a draft (as n-gram lookup does): the target's own continuation inside
+    ``stretches`` of generated positions, nothing elsewhere."""
+
+    def __init__(self, ref: list[int], stretches: list[range]):
+        super().__init__(ref)
+        self.stretches = stretches
+
+    def draft_ready(self, ids):
+        return any(len(ids) - len(PROMPT) in s for s in self.stretches)
+
+    def propose(self, ids, cap, sampler):
+        return super().propose(ids, cap, sampler) if self.draft_ready(ids) else None
+
+
+def test_a_drafter_with_nothing_to_propose_gets_pipelined_plain_steps_not_rounds(eng):
+    """Lookup on chat: between matches the loop takes pipelined plain steps (an empty round
+    would be an unpipelined step each), the controller prices them as plain steps, not as
+    rounds, and drafts again where a match appears."""
+    ref = reference(eng)
+    stretches = [range(40, 60), range(100, 120)]
+    drafter = Stretches(ref, stretches)
+    clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.4, draft=0.02)
+    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.4, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
+    tokens, stats = run_auto(eng, drafter, ctrl, clock)
+    assert tokens == ref
+    rounds = [(d, c) for (d, _), c in zip(stats.rounds[1:], stats.caps[1:]) if c > 0]
+    assert rounds and all(d > 0 for d, _ in rounds)  # no empty round: every verify had drafts
+    assert ctrl.state.rounds == len(rounds) and not ctrl.state.parked  # plain steps are not rounds
+    # rounds only in the stretches (a run ends one step after a draft is ready: the check runs
+    # while the next forward is in flight, so it cannot see the token that forward feeds)
+    before = np.cumsum([0] + [a + 1 for _, a in stats.rounds])  # tokens generated before each round
+    assert all(any(g in s for s in stretches) for g, c in zip(before[1:], stats.caps[1:]) if c > 0)
+    plain = stats.caps[1:].count(0)
+    assert clock.plain_steps >= plain - 2 * len(stretches) - 3  # pipelined: one unpipelined start per run
+    assert clock.now * 1000.0 < len(ref) - 30  # the stretches' rounds win; nothing else lost to syncs
+
+
+def test_lookup_without_a_match_takes_plain_steps_and_stays_baseline(eng):
+    """The real n-gram drafter under a fixed cap: no empty round, and greedy output is plain greedy's."""
+    from engine.drafters.lookup import LookupDrafter
+
+    copy = PROMPT * 3
+    ref = [t for out, _ in decode(eng.target, None, copy, Sampler(SamplingParams()), max_new_tokens=120) for t in out]
+    drafter = LookupDrafter(max_draft=8)
+    stats = DecodeStats()
+    tokens = [t for out, _ in decode(eng.target, drafter, copy, Sampler(SamplingParams()), max_new_tokens=120,
+                                     stats=stats) for t in out]
+    assert tokens == ref
+    drafted = [d for (d, _), c in zip(stats.rounds[1:], stats.caps[1:]) if c > 0]
+    assert drafted and all(d > 0 for d in drafted)  # a round only where lookup had a match
+    assert 0 in stats.caps[1:]  # ... and plain steps between
+
+
 def test_plain_runs_hand_back_the_exact_round_state(eng):
     """Rounds and plain runs interleave at every length and the output is still baseline's."""
     ref = reference(eng)

@@ -83,11 +83,16 @@ def test_points_from_real_round_events(tiny_llama):
     roof = RooflineModel.from_engine(tiny_llama, bandwidth=20e9)
     first = roof.point(events[0])  # the prefill's token: no round time of its own
     assert first["tps"] is None and first["x_roofline"] is None and first["context"] == len(prompt) + 1
-    for ev in events[1:]:
+    rounds = [ev for ev in events[1:] if ev.drafted]
+    assert rounds  # the prompt repeats itself: lookup drafts
+    for ev in rounds:
         pt = roof.point(ev)
         assert pt["tps"] == pytest.approx(ev.committed / (ev.draft_s + ev.verify_s))
         assert pt["x_roofline"] == pytest.approx(pt["tps"] / roof.ceiling_tps(ev.context))
         assert pt["bytes_per_token"] == roof.bytes_per_token(ev.context)
+    for ev in events[1:]:  # a pipelined plain step (lookup had no match) has no round time of its own
+        if not ev.drafted:
+            assert ev.draft_s == ev.verify_s == 0.0 and roof.point(ev)["tps"] is None
     tracker = RooflineTracker(roof, window=4)
     points = [tracker.update(ev) for ev in events]
     last, back = events[-1], events[-5]

@@ -91,6 +91,12 @@ class Drafter:
         run), so the loop times it apart from the round. Returns the tokens caught up (0: none)."""
         return 0
 
+    def draft_ready(self, ids: Sequence[int]) -> bool:
+        """Whether ``propose`` after ``ids`` may return a draft, as far as is known without a
+        model call. False (n-gram lookup with no match) lets the loop take pipelined plain steps
+        until there is one, where an empty round would be an unpipelined step each."""
+        return True
+
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         """Whether a draft that costs next to nothing to make (a long n-gram match) and is
         likely to hold follows ``ids`` now: a parked ``--max-draft auto`` ends its plain run

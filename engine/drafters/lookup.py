@@ -85,5 +85,8 @@ class LookupDrafter(Drafter):
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self._extend(ids)
 
+    def draft_ready(self, ids: Sequence[int]) -> bool:
+        return self.match(ids)[1] > 0
+
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         return self.match(ids)[1] >= STRONG_MATCH

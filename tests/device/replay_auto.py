@@ -138,6 +138,20 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
                     break
             after_round = False
             continue
+        if costs.mode == "lookup" and not trace["lookup"][t] and not costs.empty_rounds:
+            # no match: plain steps until there is (engine/speculative.py asks Drafter.draft_ready
+            # while the next forward is in flight, so it sees the match one token late)
+            getattr(policy, "no_draft", lambda: None)()
+            for i in range(remaining):
+                step = costs.step + (costs.switch if after_round and i == 0 else 0.0)
+                ms += step
+                t += 1
+                policy.observe(0, 0, step / 1000.0)
+                rounds.append((0, 0, 0))
+                if trace["lookup"][t - 1]:
+                    break
+            after_round = False
+            continue
         round_ms = costs.lookup_ms
         draft = trace["lookup"][t][:cap]
         if not draft and costs.mode == "dspark":
@@ -263,6 +277,8 @@ def main() -> int:
     rep.add_argument("--cut", default="slot@0.3", help="DSpark's confidence cut, rule@threshold (slot@0: none)")
     rep.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-cap arms too")
     add_cost_arguments(rep)
+    rep.add_argument("--empty-rounds", action="store_true",
+                     help="lookup with no match verifies an empty round (the loop before Drafter.draft_ready)")
     rep.add_argument("--switch", type=float, default=0.0, help="extra ms of a plain run's first step after a round")
     rep.add_argument("--drift", type=float, default=0.0,
                      help="each request runs on a machine slower by a random factor in [1, 1 + drift] (the H200's "
