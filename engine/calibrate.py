@@ -58,6 +58,7 @@ from engine.protocols import EngineLike
 SCHEMA = 3  # 3: plain steps timed at the curve's context
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
+MAX_EVENTS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
 CUT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 CUT_TOKENS = 48  # new tokens per shipped prompt in the confidence trace
 WARM_PLAIN = 4  # plain steps opening each auto request: the plain step at this context, timed (the middle two)
@@ -345,7 +346,9 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
     taken from the same round's own timings (``verify_s``, and ``draft_s`` for a drafter with a
     model): subtracting a curve measured seconds earlier would drown the few-ms overhead in a
     shared machine's noise. What remains is the loop's bookkeeping and, for lookup, its Python
-    n-gram search. Kinds alternate ``passes`` times, so contention hits both alike."""
+    n-gram search. Kinds alternate ``passes`` times, so contention hits both alike. Only rounds
+    count as rounds: where lookup has no match the loop takes plain steps, which are skipped
+    (at most ``MAX_EVENTS_PER_SAMPLE`` events per sample wanted; none found: no overhead)."""
     from engine.sampling import Sampler, SamplingParams
     from engine.speculative import FixedCap, decode
 
@@ -354,11 +357,12 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
     for _ in range(passes):
         for policy, out, prompt in ((FixedCap(cap), spec, ids), (FixedCap(0), plain, plain_ids or ids)):
             t_prev, paused, got = None, 0.0, 0
-            steps = decode(target, drafter, prompt, Sampler(SamplingParams(seed=0)), max_new_tokens=100_000,
-                           cap_policy=policy, mode="calibration")
+            steps = decode(target, drafter, prompt, Sampler(SamplingParams(seed=0)),
+                           max_new_tokens=MAX_EVENTS_PER_SAMPLE * rounds, cap_policy=policy, mode="calibration")
             try:
                 for _, event in steps:
-                    sampled = t_prev is not None and event.index >= 3  # past the pipeline's fill
+                    # past the pipeline's fill; a round when rounds are timed (not a step lookup had nothing for)
+                    sampled = t_prev is not None and event.index >= 3 and (event.cap > 0) == (policy.value > 0)
                     if sampled:
                         model_s = event.verify_s + (event.draft_s if drafter.has_model else 0.0)
                         out.append((event.t - t_prev - paused - model_s) * 1000.0)
@@ -372,7 +376,7 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
                         break
             finally:
                 steps.close()
-    return max(0.0, statistics.median(spec)), max(1e-3, statistics.median(plain))
+    return max(0.0, statistics.median(spec)) if spec else 0.0, max(1e-3, statistics.median(plain))
 
 
 def confidence_trace(engine: EngineLike, drafter: Drafter, texts: Sequence[str], max_new_tokens: int = CUT_TOKENS,

@@ -177,6 +177,44 @@ def test_real_calibration_on_a_tiny_model_is_sane_and_cached(cache_dir, monkeypa
     assert calls == [1] and not fresh.from_cache and fresh.created >= cal.created
 
 
+def test_round_overhead_is_timed_on_rounds_not_on_the_plain_steps_between(monkeypatch):
+    """Where lookup has no match the loop takes plain steps: a calibration that timed those as
+    rounds would call a whole plain step the rounds' overhead. On a modeled clock (a plain step
+    10 ms, a verify 1 ms, nothing else) a round's overhead is 0 and a plain step 10 ms."""
+    import time
+
+    from engine.drafters.base import Draft, Drafter
+
+    class Sometimes(Drafter):  # a draft at one position in four, as n-gram lookup on chat
+        max_draft = 4
+
+        def draft_ready(self, ids):
+            return len(ids) % 4 == 0
+
+        def propose(self, ids, cap, sampler):
+            return Draft(mx.array([1, 2][:cap], dtype=mx.uint32)) if self.draft_ready(ids) else None
+
+    eng = make_tiny_engine()
+    now = [0.0]
+    forward = eng.target.forward
+
+    def timed(ids, cache, **kw):
+        now[0] += 0.010 if kw.get("last_only") and ids.shape[1] == 1 else 0.001
+        return forward(ids, cache, **kw)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(eng.target, "forward", timed)
+    overhead, plain = C.measure_rounds(eng.target, Sometimes(), list(range(3, 40)), 4, rounds=6, passes=1)
+    assert overhead == pytest.approx(0.0, abs=1e-6) and plain == pytest.approx(10.0)
+
+    class Never(Sometimes):
+        def draft_ready(self, ids):
+            return False
+
+    overhead, plain = C.measure_rounds(eng.target, Never(), list(range(3, 40)), 4, rounds=6, passes=1)
+    assert overhead == 0.0 and plain == pytest.approx(10.0)  # no round to time: ends, and says none
+
+
 def test_bent_curves_are_told_from_steady_ones():
     # verify ms at widths 1-8 on this 2-core CPU (the starter, float32, 512 tokens): a calibration
     # with a test run beside it, and two on a quiet machine (one with a 3 % wobble at width 8)
