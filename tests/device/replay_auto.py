@@ -124,31 +124,21 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
     while t + 1 < total:
         remaining = total - (t + 1)
         cap = max(0, min(policy.cap(), max_draft, remaining - 1))
+        if cap and costs.mode == "lookup" and not trace["lookup"][t] and not costs.empty_rounds:
+            # no match: plain steps until there is (engine/speculative.py asks Drafter.draft_ready
+            # while the next forward is in flight, so it sees the match one token late)
+            getattr(policy, "no_draft", lambda: None)()
+            cap, run, stop = 0, remaining, _match_seen(trace)
+        elif cap == 0:
+            run, stop = max(1, min(_plain_run_length(policy), remaining)), _cheap_draft_stop(policy, trace)
         if cap == 0:
-            run = max(1, min(_plain_run_length(policy), remaining))
-            watching = getattr(policy, "watch_cheap_drafts", lambda: False)
             for i in range(run):
                 step = costs.step + (costs.switch if after_round and i == 0 else 0.0)
                 ms += step
                 t += 1
                 policy.observe(0, 0, step / 1000.0)
                 rounds.append((0, 0, 0))
-                if i + 1 < run and watching() and trace["cheap"][t]:
-                    policy.cheap_draft()
-                    break
-            after_round = False
-            continue
-        if costs.mode == "lookup" and not trace["lookup"][t] and not costs.empty_rounds:
-            # no match: plain steps until there is (engine/speculative.py asks Drafter.draft_ready
-            # while the next forward is in flight, so it sees the match one token late)
-            getattr(policy, "no_draft", lambda: None)()
-            for i in range(remaining):
-                step = costs.step + (costs.switch if after_round and i == 0 else 0.0)
-                ms += step
-                t += 1
-                policy.observe(0, 0, step / 1000.0)
-                rounds.append((0, 0, 0))
-                if trace["lookup"][t - 1]:
+                if i + 1 < run and stop(t):
                     break
             after_round = False
             continue
@@ -169,6 +159,24 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
         rounds.append((cap, k, a))
         after_round = True
     return ms, rounds
+
+
+def _match_seen(trace: dict):
+    """Ends a run of plain steps (asked with the new anchor's index) once lookup had a match."""
+    return lambda t: bool(trace["lookup"][t - 1])
+
+
+def _cheap_draft_stop(policy, trace: dict):
+    """Ends a parked run where a watching policy meets a cheap draft (and tells it)."""
+    watching = getattr(policy, "watch_cheap_drafts", lambda: False)
+
+    def stop(t: int) -> bool:
+        if watching() and trace["cheap"][t]:
+            policy.cheap_draft()
+            return True
+        return False
+
+    return stop
 
 
 def _plain_run_length(policy) -> int:
