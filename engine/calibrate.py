@@ -58,7 +58,7 @@ from engine.protocols import EngineLike
 SCHEMA = 3  # 3: plain steps timed at the curve's context
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
-MAX_EVENTS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
+MAX_TOKENS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
 CUT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 CUT_TOKENS = 48  # new tokens per shipped prompt in the confidence trace
 WARM_PLAIN = 4  # plain steps opening each auto request: the plain step at this context, timed (the middle two)
@@ -348,7 +348,8 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
     shared machine's noise. What remains is the loop's bookkeeping and, for lookup, its Python
     n-gram search. Kinds alternate ``passes`` times, so contention hits both alike. Only rounds
     count as rounds: where lookup has no match the loop takes plain steps, which are skipped
-    (at most ``MAX_EVENTS_PER_SAMPLE`` events per sample wanted; none found: no overhead)."""
+    (at most ``MAX_TOKENS_PER_SAMPLE`` tokens are decoded per sample wanted; no round met: no
+    overhead)."""
     from engine.sampling import Sampler, SamplingParams
     from engine.speculative import FixedCap, decode
 
@@ -358,7 +359,7 @@ def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, 
         for policy, out, prompt in ((FixedCap(cap), spec, ids), (FixedCap(0), plain, plain_ids or ids)):
             t_prev, paused, got = None, 0.0, 0
             steps = decode(target, drafter, prompt, Sampler(SamplingParams(seed=0)),
-                           max_new_tokens=MAX_EVENTS_PER_SAMPLE * rounds, cap_policy=policy, mode="calibration")
+                           max_new_tokens=MAX_TOKENS_PER_SAMPLE * rounds, cap_policy=policy, mode="calibration")
             try:
                 for _, event in steps:
                     # past the pipeline's fill; a round when rounds are timed (not a step lookup had nothing for)
