@@ -481,12 +481,16 @@ class CapController:
             cap = max(1, min(PROBE_CAP, _argmax(self.rates(), allow_park=False)))
         else:
             cap = 0 if st.parked else int(st.cap)
+        self._next(cap)
+        self.history.append(cap)
+        return cap
+
+    def _next(self, cap: int) -> None:
+        """What the loop does next: rounds at ``cap``, or (0) a run of plain steps."""
         if cap == 0:
             self._run_pos = 0  # a run of plain steps starts
         self._pending_plain = 0.0  # the last step of the run before: not timed
         self._last_cap = cap
-        self.history.append(cap)
-        return cap
 
     def watch_cheap_drafts(self) -> bool:
         """Parked, a long n-gram match may end a plain run early for a probe: copying is found
@@ -499,9 +503,7 @@ class CapController:
     def no_draft(self) -> None:
         """The drafter has nothing to propose after ``cap()`` said draft: the plain steps the loop
         takes instead are plain steps (timed as such; a probe waits for a draft), not rounds."""
-        self._last_cap = 0
-        self._run_pos = 0
-        self._pending_plain = 0.0
+        self._next(0)
 
     def plain_run(self) -> int:
         """Plain steps to take in a row now that ``cap()`` said 0: to the next probe, parked."""
