@@ -222,6 +222,32 @@ def test_init_from_an_exported_drafter_continues_from_its_weights(tiny, tmp_path
     assert more.evaluate()["val_loss"] < trained
 
 
+def test_grown_drafter_starts_where_the_old_one_was_and_trains_its_new_layers(tiny, tmp_path):
+    from engine.drafters import checkpoint
+
+    eng, exs = tiny
+    first = Trainer(eng, exs, exs[:8], tmp_path / "a", small_config(steps=20))
+    first.fit()
+    grown = Trainer(eng, exs, exs[:8], tmp_path / "b", small_config(steps=10, init_from=str(first.export_dir),
+                                                                    grow_layers=2))
+    n = first.model.config["num_hidden_layers"]
+    assert len(grown.model.layers) == n + 2 and grown.model.config["num_hidden_layers"] == n + 2
+    # the new layers are the identity: same draft logits, confidences and loss as the old drafter
+    assert grown.evaluate()["val_loss"] == pytest.approx(first.evaluate()["val_loss"], rel=1e-6)
+    arrays = first._batch(exs[:4], np.random.default_rng(3))
+    feats, _ = target_states(eng.target, arrays["ids"], first.taps)
+    old_logits, old_conf, _ = draft_outputs(first.model, feats, arrays)
+    new_logits, new_conf, _ = draft_outputs(grown.model, feats, arrays)
+    assert mx.allclose(old_logits, new_logits, atol=1e-5).item() and mx.allclose(old_conf, new_conf, atol=1e-5).item()
+    before = float(grown.evaluate()["val_loss"])
+    grown.fit()
+    assert mx.abs(grown.model.layers[-1].self_attn.o_proj.weight).max().item() > 0  # trained away from zero
+    assert grown.evaluate()["val_loss"] < before
+    # the export loads in the engine with its new depth
+    model, _ = checkpoint.load_checkpoint(grown.export_dir, eng.target, mode="dspark")
+    assert len(model.layers) == n + 2
+
+
 def test_init_from_refuses_a_drafter_of_another_target(tiny, tmp_path):
     eng, exs = tiny
     other = make_tiny_engine("llama", seed=1, layers=6, hidden=96)
@@ -264,7 +290,7 @@ def test_examples_file_roundtrip(tmp_path):
         assert load_examples(tmp_path / name) == exs
 
 
-def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch):
+def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch, capsys):
     """tandem train-drafter end to end: encode, generate, train, report (acceptance through the
     engine loop, identical to baseline output)."""
     from engine.cli import main
@@ -308,6 +334,9 @@ def test_cli_runs_every_stage_on_a_tiny_gguf(tmp_path, monkeypatch):
     assert main(argv[:-2] + ["--stages", "train", "--extend", "--steps", "2"]) == 0  # two more, lr restarted
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["step"] == 5 and state["restart_step"] == 3
+    capsys.readouterr()
+    assert main(argv[:-2] + ["--stages", "train", "--grow-layers", "1"]) == 1  # nothing to grow
+    assert "--grow-layers adds layers to the drafter --init-from names" in capsys.readouterr().err
 
 
 @pytest.mark.slow

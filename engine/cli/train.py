@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this exported DSpark drafter (folder or resources:...): its architecture and "
                         "weights, a fresh optimizer; e.g. more training on new answers for the shipped drafter")
+    g.add_argument("--grow-layers", type=int, default=0, metavar="N",
+                   help="with --init-from: add N layers on top that start as the identity (the drafter drafts as "
+                        "before until training gives them a use): more depth without starting over")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {d.steps}, or what --time-limit allows)")
     g.add_argument("--batch-seqs", type=int, default=d.batch_seqs)

@@ -18,6 +18,7 @@ class TrainConfig:
     tap_layers: list[int] | None = None  # None: z-lab's rule (5 ids from 1 to N-3)
     mask_token_id: int | None = None  # None: the tokenizer's mask token, else its last special token
     init_from: str | None = None  # an exported drafter to start from (its architecture wins over the fields above)
+    grow_layers: int = 0  # with init_from: layers added on top, starting as the identity
     # optimisation
     steps: int = 2000
     batch_seqs: int = 16

@@ -98,6 +98,40 @@ def drafter_from_folder(engine: Any, spec: str):
     return model
 
 
+def grow_layers(model: Any, extra: int) -> Any:
+    """``model`` with ``extra`` more decoder layers on top that start as the identity: each is a
+    copy of the last layer with its output projections (``o_proj``, ``down_proj``) zeroed, so the
+    grown drafter drafts exactly as the old one did and training gives the new depth its use
+    (the copy, not a random init, gives their attention and MLP inputs a trained start)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from engine.drafters import block
+
+    if extra <= 0:
+        return model
+    config = dict(model.config)
+    n = int(config["num_hidden_layers"])
+    config["num_hidden_layers"] = n + extra
+    if config.get("layer_types"):
+        config["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * extra
+    grown = block.DSparkModel(block.parse_config(config, "grown DSpark model"))
+    weights = dict(tree_flatten(model.parameters()))
+    top = f"layers.{n - 1}."
+    for i in range(n, n + extra):
+        for key, w in list(weights.items()):
+            if key.startswith(top):
+                name = key[len(top):]
+                zero = name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
+                weights[f"layers.{i}.{name}"] = mx.zeros_like(w) if zero else w
+    grown.load_weights(list(weights.items()), strict=True)
+    mx.eval(grown.parameters())
+    grown.config = config
+    grown.train()
+    freeze_target_parts(grown)
+    return grown
+
+
 def adopt_architecture(cfg: TrainConfig, config: dict) -> None:
     """A resumed or continued drafter keeps its own shape: batches must be cut for its block
     size, not for the command line's defaults."""
@@ -155,6 +189,10 @@ class Trainer:
         elif cfg.init_from:
             self.model = drafter_from_folder(engine, cfg.init_from)
             log(f"starting from the drafter in {cfg.init_from} (its weights, a fresh optimizer and schedule)")
+            if cfg.grow_layers:
+                self.model = grow_layers(self.model, cfg.grow_layers)
+                log(f"grown by {cfg.grow_layers} layers that start as the identity: "
+                    f"{self.model.config['num_hidden_layers']} layers")
         else:
             self.model = new_drafter(engine, cfg)
         adopt_architecture(cfg, self.model.config)
