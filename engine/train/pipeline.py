@@ -58,10 +58,10 @@ def run_stages(args: argparse.Namespace) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         raise TandemError(f"unknown stage(s) {', '.join(bad)}: choose from {', '.join(STAGES)}")
-    if getattr(args, "grow_layers", 0) and not getattr(args, "init_from", None):
-        raise TandemError("--grow-layers adds layers to the drafter --init-from names: give --init-from too")
     if getattr(args, "grow_layers", 0) < 0:
         raise TandemError(f"--grow-layers must be 0 or more, not {args.grow_layers}")
+    if getattr(args, "grow_layers", 0) and not getattr(args, "init_from", None):
+        raise TandemError("--grow-layers adds layers to the drafter --init-from names: give --init-from too")
     t0 = time.time()
     deadline = t0 + args.time_limit if args.time_limit else None
     out = Path(args.out).expanduser()
