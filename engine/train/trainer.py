@@ -117,13 +117,10 @@ def grow_layers(model: Any, extra: int) -> Any:
         config["layer_types"] = list(config["layer_types"]) + [config["layer_types"][-1]] * extra
     grown = block.DSparkModel(block.parse_config(config, "grown DSpark model"))
     weights = dict(tree_flatten(model.parameters()))
-    top = f"layers.{n - 1}."
+    outputs = ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
     for i in range(n, n + extra):
-        for key, w in list(weights.items()):
-            if key.startswith(top):
-                name = key[len(top):]
-                zero = name in ("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight")
-                weights[f"layers.{i}.{name}"] = mx.zeros_like(w) if zero else w
+        weights.update({f"layers.{i}.{name}": mx.zeros_like(w) if name in outputs else w
+                        for name, w in tree_flatten(model.layers[-1].parameters())})
     grown.load_weights(list(weights.items()), strict=True)
     mx.eval(grown.parameters())
     grown.config = config

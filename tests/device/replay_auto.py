@@ -36,6 +36,7 @@ import engine  # noqa: E402,F401  (preloads BLAS)
 from engine import cost_model as M  # noqa: E402
 from engine.calibrate import WARM_PLAIN  # noqa: E402
 from engine.drafters.dspark import keep_count  # noqa: E402
+from engine.speculative import _plain_run_length, _tell_no_draft  # noqa: E402  (the loop's own asks)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_auto import add_cost_arguments  # noqa: E402
@@ -127,7 +128,7 @@ def replay_one(trace: dict, policy, costs: argparse.Namespace, cut: tuple[str, f
         if cap and costs.mode == "lookup" and not trace["lookup"][t] and not costs.empty_rounds:
             # no match: plain steps until there is (engine/speculative.py asks Drafter.draft_ready
             # while the next forward is in flight, so it sees the match one token late)
-            getattr(policy, "no_draft", lambda: None)()
+            _tell_no_draft(policy)
             cap, run, stop = 0, remaining, _match_seen(trace)
         elif cap == 0:
             run, stop = max(1, min(_plain_run_length(policy), remaining)), _cheap_draft_stop(policy, trace)
@@ -177,11 +178,6 @@ def _cheap_draft_stop(policy, trace: dict):
         return False
 
     return stop
-
-
-def _plain_run_length(policy) -> int:
-    run = getattr(policy, "plain_run", None)
-    return int(run()) if run is not None else 1
 
 
 def _set(overrides: list[str]) -> dict:
