@@ -17,7 +17,7 @@ from engine.drafters.dspark import DSparkDrafter
 from engine.sampling import Sampler, SamplingParams
 from engine.train.config import TrainConfig
 from engine.train.loss import block_forward, draft_outputs, target_states
-from engine.train.trainer import Trainer, new_drafter
+from engine.train.trainer import Trainer, new_drafter, opening_rounds
 from engine.train.data import Example, decode_all, load_examples, make_batch, save_examples
 
 from tests.tiny import make_tiny_engine
@@ -151,6 +151,39 @@ def test_walked_rounds_are_the_loops_rounds_on_the_same_greedy_answer(tiny, tmp_
     every = [t for w in trainer.walk_rounds(trainer.val) for t in w]
     assert report["val_walk"] == pytest.approx(sum(every) / len(every))
     assert {k for k in report if k.startswith("val_walk_")} == {"val_walk_chat", "val_walk_code", "val_walk_math"}
+
+
+def test_opening_walk_counts_the_rounds_the_loop_runs_for_the_first_tokens(tiny, tmp_path, monkeypatch):
+    """``val_walk128`` reads as ``tandem benchmark``'s tokens/round at its default 128 tokens: the
+    walked rounds that write an answer's first n tokens are the rounds the loop runs when
+    stopped at n new tokens (here n = 6, inside the tiny answers)."""
+    from engine.speculative import DecodeStats, FixedCap, decode
+    from engine.train import trainer as trainer_module
+
+    eng, exs = tiny
+    trainer = Trainer(eng, exs, exs[:8], tmp_path, small_config(steps=30))
+    trainer.fit()
+    drafter = DSparkDrafter(trainer.model, trainer.model.cfg, eng.target, confidence_threshold=0.0)
+    n, openings = 6, []
+    for ex, walked in zip(trainer.val, trainer.walk_rounds(trainer.val)):
+        opening = opening_rounds(walked, n)
+        assert opening == walked[: len(opening)] and sum(opening[:-1]) < n - 1
+        if len(ex.answer) <= n + drafter.max_draft:
+            continue
+        assert sum(opening) >= n - 1  # the answer runs on: the rounds reach the n-th token
+        stats = DecodeStats()
+        for _ in decode(eng.target, drafter, ex.prompt, GREEDY, max_new_tokens=n, cap_policy=FixedCap(drafter.max_draft),
+                        stats=stats, eos_ids=[0]):
+            pass
+        assert len(stats.rounds[1:]) == len(opening), (stats.rounds, walked)
+        openings += opening
+    assert len(openings) > 5
+    monkeypatch.setattr(trainer_module, "OPENING_TOKENS", n)
+    report = trainer.evaluate()
+    every = [t for w in trainer.walk_rounds(trainer.val) for t in opening_rounds(w, n)]
+    assert report["val_walk6"] == pytest.approx(sum(every) / len(every))
+    assert report["val_walk6"] != pytest.approx(report["val_walk"])  # the openings are their own measure
+    assert {k for k in report if k.startswith("val_walk6_")} == {"val_walk6_chat", "val_walk6_code", "val_walk6_math"}
 
 
 def test_saved_drafter_reloads_through_the_loader_and_drafts_identically(tiny, tmp_path):

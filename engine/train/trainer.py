@@ -23,6 +23,8 @@ from engine.train.data import (Example, batch_at, batches_per_epoch, content_cla
                                usable)
 from engine.train.loss import batch_arrays, check_target_states, dspark_loss, target_side, target_states
 
+OPENING_TOKENS = 128  # `val_walk128`: the walk over each answer's first tokens, tandem benchmark's default length
+
 
 def default_mask_token(tokenizer: Any, vocab_size: int) -> int:
     """The tokenizer's mask token, else its highest-id added token outside the special set
@@ -321,7 +323,7 @@ class Trainer:
         rng = np.random.default_rng([self.cfg.seed, 99])
         tot: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "ce": 0.0, "l1": 0.0, "bce": 0.0}
-        walked: dict[str, list[int]] = {}
+        walked: dict[str, list[list[int]]] = {}  # per class, each answer's walked rounds
         nb = 0
         S = self.cfg.batch_seqs
         for i in range(0, len(self.val), S):
@@ -340,16 +342,19 @@ class Trainer:
                 t[0] += float(tau[s])
                 t[1] += float(blocks[s])
             for ex, taus in zip(exs, self._walk_batch(exs, states)):
-                walked.setdefault(content_class(ex.source), []).extend(taus)
+                walked.setdefault(content_class(ex.source), []).append(taus)
         res = {f"val_{k}": v / nb for k, v in sums.items()}
         res.update({f"val_tau_{c}": t[0] / t[1] for c, t in sorted(tot.items()) if t[1] > 0})
         all_t = sum(t[0] for t in tot.values()), sum(t[1] for t in tot.values())
         if all_t[1]:
             res["val_tau"] = all_t[0] / all_t[1]
-        res.update({f"val_walk_{c}": sum(t) / len(t) for c, t in sorted(walked.items()) if t})
-        every = [t for taus in walked.values() for t in taus]
-        if every:
-            res["val_walk"] = sum(every) / len(every)
+        for name, keep in (("val_walk", lambda taus: taus),
+                           (f"val_walk{OPENING_TOKENS}", lambda taus: opening_rounds(taus, OPENING_TOKENS))):
+            per_class = {c: [t for taus in lists for t in keep(taus)] for c, lists in sorted(walked.items())}
+            res.update({f"{name}_{c}": sum(t) / len(t) for c, t in per_class.items() if t})
+            every = [t for ts in per_class.values() for t in ts]
+            if every:
+                res[name] = sum(every) / len(every)
         return res
 
     def walk_rounds(self, examples: Sequence[Example]) -> list[list[int]]:
@@ -443,6 +448,19 @@ class Trainer:
         if ev:
             self.log("eval step {}: ".format(self.state.step) + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             self.state.history.append({"step": self.state.step, **{k: round(v, 5) for k, v in ev.items()}})
+
+
+def opening_rounds(taus: Sequence[int], n: int) -> list[int]:
+    """The walked rounds that write an answer's first ``n`` tokens (its first token is the
+    prefill's, as in the loop): ``tandem benchmark`` stops answers at 128 tokens by default, and
+    there the openings, harder than the long tails, weigh far more than in a whole answer."""
+    out, written = [], 1
+    for tau in taus:
+        if written >= n:
+            break
+        out.append(tau)
+        written += tau
+    return out
 
 
 def _interleave(examples: list[Example]) -> list[Example]:

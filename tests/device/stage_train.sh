@@ -27,7 +27,8 @@
 # AFTER_BENCH=1: the same warm hold as a starter benchmark staged by tests/device/stage_bench.sh
 # (PARTS=starter), whose calls already installed the wheels into /root/site and unpacked the
 # GGUF into /root/work: only .devC travels (calls 3-5). Generation knobs: SELF_PROMPTS, SAMPLES,
-# OPENINGS (--self-prompt-openings: none, builtin), SEED; INIT_FROM (--init-from, e.g.
+# OPENINGS (--self-prompt-openings: none, builtin, or a file such as tests/device/openings.txt),
+# MAX_NEW (the answers' length cap, default 512), SEED; INIT_FROM (--init-from, e.g.
 # resources:drafters/smollm2-135m-dspark) trains the shipped drafter further on the new answers.
 # Results land in $OUT: drafter-model.safetensors (in 15 MB parts when larger), drafter-config.json,
 # drafter-draft_vocab.json, train.log, log.jsonl,
@@ -149,7 +150,7 @@ bash .devC/gguf.sh || exit 3
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gen() {
   python3 -m engine.cli train-drafter --model /root/work/SmolLM2-135M-Instruct.Q4_1.gguf --out /root/work/run \\
-    --stages generate --max-new-tokens 512 --gen-batch \${GEN_BATCH:-1024} --target-dtype \$1 \\
+    --stages generate --max-new-tokens \${MAX_NEW:-512} --gen-batch \${GEN_BATCH:-1024} --target-dtype \$1 \\
     --gen-time-limit \$(( \${GEN_SECONDS:-500} - SECONDS )) --self-prompts \${SELF_PROMPTS:-8192} \\
     --samples-per-prompt \${SAMPLES:-3} --sample-temperature 0.7 --self-prompt-openings \${OPENINGS:-none} \\
     --seed \${SEED:-0} --mirror \$OUT 2>&1 | tee -a \$OUT/run.log
