@@ -25,10 +25,12 @@ def load(model: str | None = None, *, drafter: str | None = None, draft_model: s
     ``kv_bits`` (4/8) quantizes the KV cache on Metal/CUDA; why it stays off elsewhere is in
     ``engine.notes``. ``dtype``: float32 / bfloat16 / float16 for the target's floating
     parameters (quantized weights stay quantized on Metal/CUDA; None: the platform's policy)."""
+    from engine import cpu_matmuls
     from engine.loading import load_model
 
     loaded = load_model(model, dtype=dtype)
     eng = Engine(loaded.model, loaded.tokenizer, name=loaded.name, loaded=loaded)
+    eng.cpu_matmuls = cpu_matmuls.choose(eng.target)  # CPU backend: the faster matmuls for 1-14 rows, timed once
     eng.drafter_path = drafter
     eng.draft_model_spec = draft_model
     eng.drafter_bits = drafter_bits

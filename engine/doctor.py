@@ -104,6 +104,8 @@ def model_rows(engine) -> list[tuple[str, str]]:
     """What a loaded model's caches are, and which modes it runs (or why not)."""
     rows = [("Model", engine.name), ("Caches", engine.target.describe_caches()), ("Shapes", _shapes_row(engine.target)),
             ("Verify matmuls", _skinny_row(engine.target))]
+    if platform.backend() == "cpu":
+        rows.append(("CPU matmuls", _cpu_matmuls_row(engine)))
     if engine.kv_bits:
         rows.append(("KV bits", str(engine.kv_bits)))
     rows += [("Note", note) for note in engine.notes]
@@ -115,6 +117,17 @@ def model_rows(engine) -> list[tuple[str, str]]:
 def _skinny_row(target) -> str:
     why = target.skinny_off
     return "Tandem's CUDA kernel for 2-8 rows (engine/cuda_skinny.py)" if not why else f"MLX's ({why})"
+
+
+def _cpu_matmuls_row(engine) -> str:
+    """Which matmuls this model's 1-14-row products run (engine/cpu_matmuls.py), and the times that chose them."""
+    choice = getattr(engine, "cpu_matmuls", None)
+    if choice is not None:
+        return choice.describe()
+    if not platform.skinny_installed():
+        return f"OpenBLAS's gemm (Tandem's skinny loops {platform.blas_status().skinny})"
+    state = "on" if platform.skinny_active() else "off"
+    return f"Tandem's skinny loops {state} for 1-14-row products (not timed: a small model, or not loaded by engine.api)"
 
 
 def _cache_row() -> str:

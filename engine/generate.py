@@ -127,6 +127,7 @@ class Engine:
         self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
         self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
+        self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:

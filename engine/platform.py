@@ -165,6 +165,32 @@ def _install_skinny(openblas_path: str) -> str:
     return "on" if _SKINNY_HANDLE is not None else f"off: {why}"
 
 
+def skinny_installed() -> bool:
+    """Whether engine.skinny_gemm sits in front of OpenBLAS, its self-test passed (on or off:
+    ``skinny_matmuls`` switches it)."""
+    return _SKINNY_HANDLE is not None
+
+
+def blas_build() -> str:
+    """The preloaded OpenBLAS's build, kernel family and threads ('' without one): which products
+    it packs depends on them (engine.cpu_matmuls keys its choice on it)."""
+    if _BLAS_HANDLE is None:
+        return ""
+    out = []
+    for name in ("openblas_get_config", "openblas_get_corename"):
+        try:
+            fn = getattr(_BLAS_HANDLE, name)
+            fn.restype = ctypes.c_char_p
+            out.append((fn() or b"").decode(errors="replace"))
+        except AttributeError:
+            pass
+    try:
+        out.append(f"{int(_BLAS_HANDLE.openblas_get_num_threads())} threads")
+    except AttributeError:
+        pass
+    return ", ".join(out)
+
+
 def skinny_active() -> bool:
     """Whether 1-14-row matmuls bypass OpenBLAS's gemm right now (costs differ: calibrations key on it)."""
     return _SKINNY_HANDLE is not None and bool(_SKINNY_HANDLE.tandem_skinny_enabled())

@@ -1,0 +1,144 @@
+"""Which matmuls a model's forwards run on the CPU backend: Tandem's skinny loops or OpenBLAS's gemm.
+
+``engine.skinny_gemm`` sends products of 1-14 rows (a plain step, a verify) past OpenBLAS's
+gemm, which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen
+kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. Where
+OpenBLAS has a small-matrix path of its own (its SkylakeX kernels on an Intel Xeon with AVX-512)
+gemm is the faster one: the starter's plain step took 70.7 ms against the loops' 82.3, a verify
+of 8 rows 103.7 against 110.2. Neither wins everywhere, so the first load of a model on a
+machine times both on the model's own forwards (a plain step and a verify of 8 rows, interleaved,
+medians) and keeps the faster; the loops stay unless gemm wins by ``MARGIN`` (their rows are
+bit-identical across verify widths, which spares the loop near-tie flips). The choice is cached
+in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the OpenBLAS build and its threads, the loops'
+source and the model's shapes and precision: later loads only read it. Models under
+``MIN_BYTES`` of weights keep the loops untimed (their forwards are too short to tell apart).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from engine import platform
+from engine.calibrate import measure_verify, synthetic_prompt
+
+CACHE_FILE = "cpu-matmuls.json"
+MIN_BYTES = 32 << 20  # weights below this keep the loops, untimed
+WIDTHS = (1, 8)  # a plain step and a DSpark round's verify at cap 7
+PASSES = 4
+CONTEXT = 128  # tokens in the cache the forwards are timed on
+MARGIN = 1.03  # gemm replaces the loops only when their summed medians are this much higher
+
+Measure = Callable[[bool], Sequence[float]]  # skinny on? -> ms of each of WIDTHS
+
+
+@dataclass
+class Choice:
+    skinny: bool  # the loops on (True) or OpenBLAS's gemm for every product (False)
+    skinny_ms: list[float]  # median ms of each of WIDTHS with the loops
+    gemm_ms: list[float]  # ... with OpenBLAS's gemm
+    measured: str  # when (UTC)
+    cached: bool = False  # read from the cache at this load
+
+    def describe(self) -> str:
+        pick = "Tandem's skinny loops" if self.skinny else "OpenBLAS's gemm"
+        ms = ", ".join(f"{w} row{'s' if w > 1 else ''} {a:.1f} vs {b:.1f} ms"
+                       for w, a, b in zip(WIDTHS, self.skinny_ms, self.gemm_ms))
+        return f"{pick} for 1-14-row products (loops vs gemm: {ms}; measured {self.measured})"
+
+
+def model_signature(model: Any) -> str:
+    """Parameter count, bytes and dtypes: what the forwards' matmuls depend on."""
+    params = [v for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
+    dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for v in params})
+    return f"{sum(v.size for v in params)}p:{sum(v.nbytes for v in params)}B:{'+'.join(dtypes)}"
+
+
+def choice_key(model: Any) -> str:
+    from engine.skinny_gemm import source_id
+
+    return "|".join((platform.device_name(), platform.blas_build(), f"skinny-{source_id()}", model_signature(model)))
+
+
+def timed_forwards(target: Any, passes: int = PASSES) -> Measure:
+    """Median ms of a plain step and of a verify of 8 rows on ``target``, rolled back after each,
+    with the loops on or off as asked."""
+    cache = target.new_cache()
+    prompt = synthetic_prompt(target.vocab_size, CONTEXT)
+    target.prefill(prompt, cache)
+
+    def measure(skinny: bool) -> list[float]:
+        platform.skinny_matmuls(skinny)
+        return measure_verify(target, cache, prompt[:max(WIDTHS)], WIDTHS, passes)
+
+    return measure
+
+
+def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
+           log: Callable[[str], None] = lambda _: None) -> Choice | None:
+    """Switch the skinny loops on or off for ``target``'s forwards on this machine: from the cache,
+    else timed now (``rounds`` interleaved rounds of each, the cheapest median of each width kept:
+    contention only adds time). None where there is nothing to choose (another backend, no loops
+    installed, a small model)."""
+    if platform.backend() != "cpu" or not platform.skinny_installed():
+        return None
+    if sum(v.nbytes for _, v in tree_flatten(target.model.parameters()) if isinstance(v, mx.array)) < MIN_BYTES:
+        return None
+    key = choice_key(target.model)
+    stored = _read().get(key)
+    if isinstance(stored, dict):
+        try:
+            choice = Choice(**{**stored, "cached": True})
+        except TypeError:
+            choice = None  # an older record: measured again
+        if choice is not None:
+            platform.skinny_matmuls(choice.skinny)
+            return choice
+    log("timing this machine's matmuls for this model (once)")
+    measure = measure or timed_forwards(target)
+    best: dict[bool, list[float]] = {}
+    for _ in range(rounds):
+        for skinny in (True, False):
+            ms = list(measure(skinny))
+            best[skinny] = [min(a, b) for a, b in zip(best[skinny], ms)] if skinny in best else ms
+    keep_loops = sum(best[False]) * MARGIN >= sum(best[True])
+    choice = Choice(keep_loops, [round(x, 2) for x in best[True]], [round(x, 2) for x in best[False]],
+                    time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    platform.skinny_matmuls(choice.skinny)
+    _write(key, choice)
+    return choice
+
+
+def _path():
+    from engine.paths import cache_root
+
+    return cache_root() / CACHE_FILE
+
+
+def _read() -> dict:
+    try:
+        data = json.loads(_path().read_text())
+    except (OSError, ValueError):
+        return {}  # missing or damaged: measured again, never fatal
+    return data if isinstance(data, dict) else {}
+
+
+def _write(key: str, choice: Choice) -> None:
+    data = _read()
+    record = asdict(choice)
+    record.pop("cached")
+    data[key] = record
+    path = _path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: the choice holds for this process and is measured again next time

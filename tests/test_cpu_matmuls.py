@@ -1,0 +1,120 @@
+"""engine.cpu_matmuls: the first load of a model on a machine times Tandem's skinny loops against
+OpenBLAS's gemm on the model's own forwards and keeps the faster, cached for later loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import cpu_matmuls, platform
+from tests.tiny import make_tiny_engine
+
+pytestmark = pytest.mark.skipif(not platform.skinny_installed() or platform.backend() != "cpu",
+                                reason="the skinny loops are not installed here (no compiler or no OpenBLAS)")
+
+
+@pytest.fixture
+def target(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_matmuls, "MIN_BYTES", 0)  # the tiny model counts as large
+    yield make_tiny_engine().target
+    platform.skinny_matmuls(True)  # as every other test expects
+
+
+def costs(skinny_ms, gemm_ms):
+    """A deterministic stand-in for the timed forwards; records the settings it was asked for."""
+    asked = []
+
+    def measure(skinny: bool):
+        asked.append(skinny)
+        return skinny_ms if skinny else gemm_ms
+
+    return measure, asked
+
+
+def refuse(skinny: bool):
+    raise AssertionError("measured again although the choice was cached")
+
+
+def test_gemm_that_wins_replaces_the_loops_and_later_loads_read_the_choice(target):
+    measure, asked = costs([80.0, 110.0], [70.0, 100.0])
+    choice = cpu_matmuls.choose(target, measure=measure, rounds=2)
+    assert asked == [True, False, True, False]  # interleaved
+    assert not choice.skinny and not choice.cached and not platform.skinny_active()
+    assert choice.skinny_ms == [80.0, 110.0] and choice.gemm_ms == [70.0, 100.0]
+    assert "OpenBLAS's gemm" in choice.describe() and "8 rows 110.0 vs 100.0 ms" in choice.describe()
+
+    platform.skinny_matmuls(True)  # a new process starts with the loops on
+    again = cpu_matmuls.choose(target, measure=refuse)
+    assert again.cached and not again.skinny and not platform.skinny_active()
+    stored = json.loads(cpu_matmuls._path().read_text())
+    assert list(stored) == [cpu_matmuls.choice_key(target.model)]
+
+
+def test_the_loops_stay_unless_gemm_wins_by_the_margin(target):
+    close = [x / (cpu_matmuls.MARGIN - 0.01) for x in (70.0, 100.0)]  # gemm ahead, inside the margin
+    choice = cpu_matmuls.choose(target, measure=costs(close, [70.0, 100.0])[0])
+    assert choice.skinny and platform.skinny_active()
+
+
+def test_each_setting_keeps_its_cheapest_median_over_the_rounds(target):
+    """Contention only adds time: a burst in one round does not decide."""
+    runs = iter([[90.0, 140.0], [70.0, 100.0], [80.0, 110.0], [95.0, 130.0]])  # skinny, gemm, skinny, gemm
+    choice = cpu_matmuls.choose(target, measure=lambda skinny: next(runs), rounds=2)
+    assert choice.skinny_ms == [80.0, 110.0] and choice.gemm_ms == [70.0, 100.0] and not choice.skinny
+
+
+def test_a_small_model_or_a_damaged_cache_changes_nothing_for_the_worse(target, monkeypatch):
+    monkeypatch.setattr(cpu_matmuls, "MIN_BYTES", 1 << 40)
+    assert cpu_matmuls.choose(target, measure=refuse) is None and platform.skinny_active()
+    assert not cpu_matmuls._path().exists()
+    monkeypatch.setattr(cpu_matmuls, "MIN_BYTES", 0)
+    cpu_matmuls._path().parent.mkdir(parents=True)
+    cpu_matmuls._path().write_text("{not json")
+    choice = cpu_matmuls.choose(target, measure=costs([70.0, 100.0], [80.0, 110.0])[0])
+    assert choice.skinny and not choice.cached  # measured again, and the file rewritten whole
+    assert json.loads(cpu_matmuls._path().read_text())[cpu_matmuls.choice_key(target.model)]["skinny"] is True
+
+
+def test_real_forwards_are_timed_with_each_setting_and_leave_the_model_as_it_was(target):
+    """The real measurement: a plain step and a verify of 8 rows on the model's own cache, each
+    setting in turn; the forwards are rolled back, so the same prompt gives the same logits after."""
+    import mlx.core as mx
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    before, _ = target.prefill(prompt, target.new_cache())
+    seen = []
+    timed = cpu_matmuls.timed_forwards(target, passes=1)
+
+    def measure(skinny: bool):
+        ms = timed(skinny)
+        seen.append(platform.skinny_active())
+        return ms
+
+    choice = cpu_matmuls.choose(target, measure=measure, rounds=1)
+    assert seen == [True, False]
+    assert len(choice.skinny_ms) == len(choice.gemm_ms) == len(cpu_matmuls.WIDTHS)
+    assert all(ms > 0 for ms in choice.skinny_ms + choice.gemm_ms)
+    assert choice.skinny == (sum(choice.gemm_ms) * cpu_matmuls.MARGIN >= sum(choice.skinny_ms))
+    assert platform.skinny_active() == choice.skinny
+    platform.skinny_matmuls(True)
+    after, _ = target.prefill(prompt, target.new_cache())
+    assert mx.array_equal(before, after).item()
+
+
+def test_the_key_names_the_machine_the_blas_and_the_model(target):
+    key = cpu_matmuls.choice_key(target.model)
+    assert platform.device_name() in key and "skinny-" in key
+    assert cpu_matmuls.model_signature(target.model) in key
+    assert cpu_matmuls.model_signature(target.model) != cpu_matmuls.model_signature(make_tiny_engine(seed=1, layers=3).target.model)
+
+
+def test_doctor_names_the_matmuls_and_the_times_that_chose_them(target):
+    from engine.doctor import model_rows
+
+    eng = make_tiny_engine()
+    assert "not timed" in dict(model_rows(eng))["CPU matmuls"]
+    eng.cpu_matmuls = cpu_matmuls.choose(eng.target, measure=costs([80.0, 110.0], [70.0, 100.0])[0])
+    row = dict(model_rows(eng))["CPU matmuls"]
+    assert row == eng.cpu_matmuls.describe() and row.startswith("OpenBLAS's gemm")
