@@ -12,6 +12,7 @@ bit-identical across verify widths, which spares the loop near-tie flips). The c
 in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the OpenBLAS build and its threads, the loops'
 source and the model's shapes and precision: later loads only read it. Models under
 ``MIN_BYTES`` of weights keep the loops untimed (their forwards are too short to tell apart).
+``TANDEM_CPU_MATMULS=loops|gemm`` skips the timing and forces one (the test suite pins the loops).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from engine import platform
 from engine.calibrate import measure_verify, synthetic_prompt
+from engine.errors import TandemError
 
 CACHE_FILE = "cpu-matmuls.json"
 MIN_BYTES = 32 << 20  # weights below this keep the loops, untimed
@@ -34,6 +36,7 @@ WIDTHS = (1, 8)  # a plain step and a DSpark round's verify at cap 7
 PASSES = 4
 CONTEXT = 128  # tokens in the cache the forwards are timed on
 MARGIN = 1.03  # gemm replaces the loops only when their summed medians are this much higher
+FORCE_ENV = "TANDEM_CPU_MATMULS"
 
 Measure = Callable[[bool], Sequence[float]]  # skinny on? -> ms of each of WIDTHS
 
@@ -47,10 +50,14 @@ class Choice:
     cached: bool = False  # read from the cache at this load
 
     def describe(self) -> str:
-        pick = "Tandem's skinny loops" if self.skinny else "OpenBLAS's gemm"
+        pick = pick_name(self.skinny)
         ms = ", ".join(f"{w} row{'s' if w > 1 else ''} {a:.1f} vs {b:.1f} ms"
                        for w, a, b in zip(WIDTHS, self.skinny_ms, self.gemm_ms))
         return f"{pick} for 1-14-row products (loops vs gemm: {ms}; measured {self.measured})"
+
+
+def pick_name(skinny: bool) -> str:
+    return "Tandem's skinny loops" if skinny else "OpenBLAS's gemm"
 
 
 def model_signature(model: Any) -> str:
@@ -88,6 +95,9 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
     installed, a small model)."""
     if platform.backend() != "cpu" or not platform.skinny_installed():
         return None
+    if forced := forced_choice():
+        platform.skinny_matmuls(forced == "loops")
+        return None
     if sum(v.nbytes for _, v in tree_flatten(target.model.parameters()) if isinstance(v, mx.array)) < MIN_BYTES:
         return None
     key = choice_key(target.model)
@@ -113,6 +123,15 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
     platform.skinny_matmuls(choice.skinny)
     _write(key, choice)
     return choice
+
+
+def forced_choice() -> str:
+    """``TANDEM_CPU_MATMULS``: 'loops' or 'gemm', '' when unset (timed per machine and model)."""
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if value not in ("", "loops", "gemm"):
+        raise TandemError(f"{FORCE_ENV}={value!r}: use 'loops' (Tandem's skinny matmuls), 'gemm' (OpenBLAS's) "
+                          "or leave it unset (timed once per machine and model)")
+    return value
 
 
 def _path():

@@ -13,6 +13,7 @@ from importlib import metadata
 from typing import Callable
 
 from engine import platform
+from engine.errors import TandemError
 
 
 def _version(dist: str) -> str:
@@ -126,6 +127,13 @@ def _cpu_matmuls_row(engine) -> str:
         return choice.describe()
     if not platform.skinny_installed():
         return f"OpenBLAS's gemm (Tandem's skinny loops {platform.blas_status().skinny})"
+    from engine.cpu_matmuls import FORCE_ENV, forced_choice, pick_name
+
+    try:
+        if forced := forced_choice():
+            return f"{pick_name(forced == 'loops')} for 1-14-row products ({FORCE_ENV}={forced})"
+    except TandemError as e:  # doctor never raises: it reports
+        return str(e)
     state = "on" if platform.skinny_active() else "off"
     return f"Tandem's skinny loops {state} for 1-14-row products (not timed: a small model, or not loaded by engine.api)"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before any QApplication exists
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TANDEM_CPU_MATMULS", "loops")  # the same matmuls on every machine (engine/cpu_matmuls.py)
 
 
 def _private_cache() -> None:

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(not platform.skinny_installed() or platform.back
 @pytest.fixture
 def target(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpu_matmuls.FORCE_ENV, raising=False)  # the suite pins the loops; these tests choose
     monkeypatch.setattr(cpu_matmuls, "MIN_BYTES", 0)  # the tiny model counts as large
     yield make_tiny_engine().target
     platform.skinny_matmuls(True)  # as every other test expects
@@ -118,3 +119,20 @@ def test_doctor_names_the_matmuls_and_the_times_that_chose_them(target):
     eng.cpu_matmuls = cpu_matmuls.choose(eng.target, measure=costs([80.0, 110.0], [70.0, 100.0])[0])
     row = dict(model_rows(eng))["CPU matmuls"]
     assert row == eng.cpu_matmuls.describe() and row.startswith("OpenBLAS's gemm")
+
+
+def test_the_environment_forces_either_untimed_and_a_bad_value_is_named(target, monkeypatch):
+    from engine.doctor import model_rows
+    from engine.errors import TandemError
+
+    eng = make_tiny_engine()
+    monkeypatch.setenv(cpu_matmuls.FORCE_ENV, "gemm")
+    assert cpu_matmuls.choose(eng.target, measure=refuse) is None and not platform.skinny_active()
+    assert dict(model_rows(eng))["CPU matmuls"] == "OpenBLAS's gemm for 1-14-row products (TANDEM_CPU_MATMULS=gemm)"
+    monkeypatch.setenv(cpu_matmuls.FORCE_ENV, " Loops ")
+    assert cpu_matmuls.choose(eng.target, measure=refuse) is None and platform.skinny_active()
+    monkeypatch.setenv(cpu_matmuls.FORCE_ENV, "fast")
+    with pytest.raises(TandemError, match="TANDEM_CPU_MATMULS='fast': use 'loops'"):
+        cpu_matmuls.choose(eng.target, measure=refuse)
+    assert "TANDEM_CPU_MATMULS='fast'" in dict(model_rows(eng))["CPU matmuls"]
+    assert not cpu_matmuls._path().exists()
