@@ -6,8 +6,8 @@ kernels on an AMD EPYC, where the loops made the starter's plain step twice as f
 OpenBLAS has a small-matrix path of its own (its SkylakeX kernels on an Intel Xeon with AVX-512)
 gemm is the faster one: the starter's plain step took 70.7 ms against the loops' 82.3, a verify
 of 8 rows 103.7 against 110.2. Neither wins everywhere, so the first load of a model on a
-machine times both on the model's own forwards (a plain step and a verify of 8 rows, interleaved,
-medians) and keeps the faster; the loops stay unless gemm wins by ``MARGIN`` (their rows are
+machine times both on the model's own forwards (plain steps pipelined as the loop runs them, and a
+verify of 8 rows; interleaved) and keeps the faster; the loops stay unless gemm wins by ``MARGIN`` (their rows are
 bit-identical across verify widths, which spares the loop near-tie flips). The choice is cached
 in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the OpenBLAS build and its threads, the loops'
 source and the model's shapes and precision: later loads only read it. Models under
@@ -33,7 +33,8 @@ from engine.errors import TandemError
 CACHE_FILE = "cpu-matmuls.json"
 MIN_BYTES = 32 << 20  # weights below this keep the loops, untimed
 WIDTHS = (1, 8)  # a plain step and a DSpark round's verify at cap 7
-PASSES = 4
+PASSES = 3  # verifies timed per measurement (after one untimed)
+STEPS = 6  # pipelined plain steps timed per measurement
 CONTEXT = 128  # tokens in the cache the forwards are timed on
 MARGIN = 1.03  # gemm replaces the loops only when their summed medians are this much higher
 FORCE_ENV = "TANDEM_CPU_MATMULS"
@@ -73,16 +74,39 @@ def choice_key(model: Any) -> str:
     return "|".join((platform.device_name(), platform.blas_build(), f"skinny-{source_id()}", model_signature(model)))
 
 
-def timed_forwards(target: Any, passes: int = PASSES) -> Measure:
-    """Median ms of a plain step and of a verify of 8 rows on ``target``, rolled back after each,
-    with the loops on or off as asked."""
-    cache = target.new_cache()
+def pipelined_steps_ms(target: Any, cache: list, logits: mx.array, steps: int = STEPS) -> float:
+    """Mean ms of ``steps`` greedy plain steps run as the loop runs them: each forward
+    queued before the token before it is read back (the threads of a product then share the
+    cores with the next step's graph building, which a synchronous step never shows)."""
+    def queue(token: mx.array) -> mx.array:
+        out, _ = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True)
+        nxt = mx.argmax(out[-1])
+        mx.async_eval(nxt)
+        return nxt
+
+    token = queue(mx.argmax(logits))
+    start = 0.0
+    for i in range(steps + 1):  # the first read fills the pipeline: timed from there
+        following = queue(token)
+        token.item()
+        if i == 0:
+            start = time.perf_counter()
+        token = following
+    token.item()
+    return (time.perf_counter() - start) * 1000.0 / (steps + 1)
+
+
+def timed_forwards(target: Any, passes: int = PASSES, steps: int = STEPS) -> Measure:
+    """Ms of a plain step (pipelined, ``steps`` of them on a fresh cache) and the median ms of a
+    verify of 8 rows (synchronous, as the loop runs it, rolled back), with the loops on or off."""
     prompt = synthetic_prompt(target.vocab_size, CONTEXT)
-    target.prefill(prompt, cache)
 
     def measure(skinny: bool) -> list[float]:
         platform.skinny_matmuls(skinny)
-        return measure_verify(target, cache, prompt[:max(WIDTHS)], WIDTHS, passes)
+        cache = target.new_cache()
+        logits, _ = target.prefill(prompt, cache)
+        step = pipelined_steps_ms(target, cache, logits, steps)
+        return [step, *measure_verify(target, cache, prompt, WIDTHS[1:], passes)]
 
     return measure
 
