@@ -4,15 +4,16 @@
 gemm, which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen
 kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. Where
 OpenBLAS has a small-matrix path of its own (its SkylakeX kernels on an Intel Xeon with AVX-512)
-gemm is the faster one: the starter's plain step took 70.7 ms against the loops' 82.3, a verify
-of 8 rows 103.7 against 110.2. Neither wins everywhere, so the first load of a model on a
-machine times both on the model's own forwards (plain steps pipelined as the loop runs them, and a
-verify of 8 rows; interleaved) and keeps the faster; the loops stay unless gemm wins by ``MARGIN`` (their rows are
-bit-identical across verify widths, which spares the loop near-tie flips). The choice is cached
-in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the OpenBLAS build and its threads, the loops'
-source and the model's shapes and precision: later loads only read it. Models under
-``MIN_BYTES`` of weights keep the loops untimed (their forwards are too short to tell apart).
-``TANDEM_CPU_MATMULS=loops|gemm`` skips the timing and forces one (the test suite pins the loops).
+gemm is the faster one: there the starter's plain step took 60.5 ms against the loops' 75.4
+(pipelined), a verify of 8 rows 94.6 against 104.5. Neither wins everywhere, so the first load
+of a model on a machine times both on the model's own forwards (plain steps pipelined as the
+loop runs them, and a verify of 8 rows; interleaved) and keeps the faster. The loops stay unless
+gemm wins by ``MARGIN``: their rows are bit-identical across verify widths, which spares the loop
+near-tie flips. The choice is cached in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the
+OpenBLAS build and its threads, the loops' source and the model's shapes and precision: later
+loads only read it. Models under ``MIN_BYTES`` of weights keep the loops untimed (their forwards
+are too short to tell apart). ``TANDEM_CPU_MATMULS=loops|gemm`` skips the timing and forces one
+(the test suite pins the loops).
 """
 
 from __future__ import annotations
@@ -111,8 +112,7 @@ def timed_forwards(target: Any, passes: int = PASSES, steps: int = STEPS) -> Mea
     return measure
 
 
-def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
-           log: Callable[[str], None] = lambda _: None) -> Choice | None:
+def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2) -> Choice | None:
     """Switch the skinny loops on or off for ``target``'s forwards on this machine: from the cache,
     else timed now (``rounds`` interleaved rounds of each, the cheapest median of each width kept:
     contention only adds time). None where there is nothing to choose (another backend, no loops
@@ -134,7 +134,6 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
         if choice is not None:
             platform.skinny_matmuls(choice.skinny)
             return choice
-    log("timing this machine's matmuls for this model (once)")
     measure = measure or timed_forwards(target)
     best: dict[bool, list[float]] = {}
     for _ in range(rounds):

@@ -32,8 +32,8 @@ The sums run in another order than gemm's, so results differ from gemm's in the 
 float32, as rows of different verify widths already did through attention: greedy output can
 change only at an exact floating-point tie. ``TANDEM_NO_SKINNY=1`` turns it off. Where OpenBLAS
 has a small-matrix path of its own (its SkylakeX kernels) gemm can be the faster one:
-``engine.cpu_matmuls`` times both on each model's forwards, once per machine, and keeps the faster. Imports no MLX
-and no numpy: it runs before ``mlx.core`` is imported.
+``engine.cpu_matmuls`` times both on each model's forwards, once per machine, and keeps the
+faster. Imports no MLX and no numpy: it runs before ``mlx.core`` is imported.
 """
 
 from __future__ import annotations
