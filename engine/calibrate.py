@@ -140,7 +140,7 @@ def model_precision(model: Any) -> str:
     return "/".join(sorted(quant) + [dense])
 
 
-def _shape_signature(model: Any, taps: Sequence[int] = ()) -> str:
+def shape_signature(model: Any, taps: Sequence[int] = ()) -> str:
     """Hash of parameter shapes and dtypes: costs depend on these, not on the values. ``taps``:
     layers wrapped by the target's tap proxies, hashed under their own names (a tap costs
     nothing, and the key must not change when a drafter installs one)."""
@@ -161,7 +161,7 @@ def _target_id(engine: EngineLike) -> str:
     loaded = getattr(engine, "loaded", None)
     path = getattr(loaded, "path", None)
     base = Path(str(path)).name if path else engine.name
-    return f"{base}#{_shape_signature(engine.target.model, engine.target.tap_layers)}"
+    return f"{base}#{shape_signature(engine.target.model, engine.target.tap_layers)}"
 
 
 def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
@@ -171,7 +171,7 @@ def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
         parts.append(Path(str(spec)).name)
     model = getattr(drafter, "model", None)
     if drafter.has_model and model is not None and hasattr(model, "parameters"):
-        parts.append(_shape_signature(model))
+        parts.append(shape_signature(model))
         parts.append(model_precision(model))
     return ":".join(parts)
 

@@ -4,10 +4,10 @@
 gemm, which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen
 kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. Where
 OpenBLAS has a small-matrix path of its own (its SkylakeX kernels on an Intel Xeon with AVX-512)
-gemm is the faster one: there the starter's plain step took 60.5 ms against the loops' 75.4
-(pipelined), a verify of 8 rows 94.6 against 104.5. Neither wins everywhere, so the first load
-of a model on a machine times both on the model's own forwards (plain steps pipelined as the
-loop runs them, and a verify of 8 rows; interleaved) and keeps the faster. The loops stay unless
+gemm is the faster one: there the starter's plain step took 69.2 ms against the loops' 83.5
+(the loop's, pipelined), a verify of 8 rows 94.3 against 107.6. Neither wins everywhere, so the first load
+of a model on a machine times both on the model's own forwards (the verify loop's own pipelined
+plain steps, and a verify of 8 rows; interleaved) and keeps the faster. The loops stay unless
 gemm wins by ``MARGIN``: their rows are bit-identical across verify widths, which spares the loop
 near-tie flips. The choice is cached in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the
 OpenBLAS build and its threads, the loops' source and the model's shapes and precision: later
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
@@ -28,14 +29,17 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from engine import platform
-from engine.calibrate import measure_verify, synthetic_prompt
+from engine.calibrate import measure_verify, model_precision, shape_signature, synthetic_prompt
 from engine.errors import TandemError
+from engine.sampling import Sampler, SamplingParams
+from engine.speculative import DecodeStats, FixedCap, decode
 
 CACHE_FILE = "cpu-matmuls.json"
 MIN_BYTES = 32 << 20  # weights below this keep the loops, untimed
 WIDTHS = (1, 8)  # a plain step and a DSpark round's verify at cap 7
 PASSES = 3  # verifies timed per measurement (after one untimed)
 STEPS = 6  # pipelined plain steps timed per measurement
+PIPELINE_FILL = 3  # the loop's first steps (prefill's token, the pipeline's fill): not timed
 CONTEXT = 128  # tokens in the cache the forwards are timed on
 MARGIN = 1.03  # gemm replaces the loops only when their summed medians are this much higher
 FORCE_ENV = "TANDEM_CPU_MATMULS"
@@ -62,52 +66,33 @@ def pick_name(skinny: bool) -> str:
     return "Tandem's skinny loops" if skinny else "OpenBLAS's gemm"
 
 
-def model_signature(model: Any) -> str:
-    """Parameter count, bytes and dtypes: what the forwards' matmuls depend on."""
-    params = [v for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array)]
-    dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for v in params})
-    return f"{sum(v.size for v in params)}p:{sum(v.nbytes for v in params)}B:{'+'.join(dtypes)}"
-
-
-def choice_key(model: Any) -> str:
+def choice_key(target: Any) -> str:
+    """The CPU, the OpenBLAS build, the loops' source and the model's shapes and precision (as a
+    calibration names them)."""
     from engine.skinny_gemm import source_id
 
-    return "|".join((platform.device_name(), platform.blas_build(), f"skinny-{source_id()}", model_signature(model)))
-
-
-def pipelined_steps_ms(target: Any, cache: list, logits: mx.array, steps: int = STEPS) -> float:
-    """Mean ms of ``steps`` greedy plain steps run as the loop runs them: each forward
-    queued before the token before it is read back (the threads of a product then share the
-    cores with the next step's graph building, which a synchronous step never shows)."""
-    def queue(token: mx.array) -> mx.array:
-        out, _ = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True)
-        nxt = mx.argmax(out[-1])
-        mx.async_eval(nxt)
-        return nxt
-
-    token = queue(mx.argmax(logits))
-    start = 0.0
-    for i in range(steps + 1):  # the first read fills the pipeline: timed from there
-        following = queue(token)
-        token.item()
-        if i == 0:
-            start = time.perf_counter()
-        token = following
-    token.item()
-    return (time.perf_counter() - start) * 1000.0 / (steps + 1)
+    model = target.model
+    return "|".join((platform.device_name(), platform.blas_build(), f"skinny-{source_id()}",
+                     shape_signature(model, target.tap_layers), model_precision(model)))
 
 
 def timed_forwards(target: Any, passes: int = PASSES, steps: int = STEPS) -> Measure:
-    """Ms of a plain step (pipelined, ``steps`` of them on a fresh cache) and the median ms of a
-    verify of 8 rows (synchronous, as the loop runs it, rolled back), with the loops on or off."""
+    """Ms of a plain step (the loop's own: ``steps`` pipelined plain steps of ``decode`` at cap 0,
+    after the pipeline's fill, median) and the median ms of a verify of 8 rows on the caches that
+    run left (synchronous, as the loop runs it, rolled back), with the loops on or off."""
     prompt = synthetic_prompt(target.vocab_size, CONTEXT)
+    greedy = Sampler(SamplingParams())
 
     def measure(skinny: bool) -> list[float]:
         platform.skinny_matmuls(skinny)
-        cache = target.new_cache()
-        logits, _ = target.prefill(prompt, cache)
-        step = pipelined_steps_ms(target, cache, logits, steps)
-        return [step, *measure_verify(target, cache, prompt, WIDTHS[1:], passes)]
+        stats, gaps, t_prev = DecodeStats(), [], None
+        for _, event in decode(target, None, prompt, greedy, max_new_tokens=steps + PIPELINE_FILL,
+                               cap_policy=FixedCap(0), stats=stats, mode="calibration"):
+            if t_prev is not None and event.index >= PIPELINE_FILL:
+                gaps.append(event.t - t_prev)
+            t_prev = event.t
+        verify = measure_verify(target, stats.cache, prompt, WIDTHS[1:], passes)
+        return [statistics.median(gaps) * 1000.0, *verify]
 
     return measure
 
@@ -124,14 +109,14 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2) -> C
         return None
     if sum(v.nbytes for _, v in tree_flatten(target.model.parameters()) if isinstance(v, mx.array)) < MIN_BYTES:
         return None
-    key = choice_key(target.model)
+    key = choice_key(target)
     stored = _read().get(key)
     if isinstance(stored, dict):
         try:
             choice = Choice(**{**stored, "cached": True})
         except TypeError:
-            choice = None  # an older record: measured again
-        if choice is not None:
+            pass  # an older record: measured again
+        else:
             platform.skinny_matmuls(choice.skinny)
             return choice
     measure = measure or timed_forwards(target)
@@ -141,8 +126,7 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2) -> C
             ms = list(measure(skinny))
             best[skinny] = [min(a, b) for a, b in zip(best[skinny], ms)] if skinny in best else ms
     keep_loops = sum(best[False]) * MARGIN >= sum(best[True])
-    choice = Choice(keep_loops, [round(x, 2) for x in best[True]], [round(x, 2) for x in best[False]],
-                    time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    choice = Choice(keep_loops, best[True], best[False], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     platform.skinny_matmuls(choice.skinny)
     _write(key, choice)
     return choice

@@ -50,7 +50,7 @@ def test_gemm_that_wins_replaces_the_loops_and_later_loads_read_the_choice(targe
     again = cpu_matmuls.choose(target, measure=refuse)
     assert again.cached and not again.skinny and not platform.skinny_active()
     stored = json.loads(cpu_matmuls._path().read_text())
-    assert list(stored) == [cpu_matmuls.choice_key(target.model)]
+    assert list(stored) == [cpu_matmuls.choice_key(target)]
 
 
 def test_the_loops_stay_unless_gemm_wins_by_the_margin(target):
@@ -75,7 +75,7 @@ def test_a_small_model_or_a_damaged_cache_changes_nothing_for_the_worse(target, 
     cpu_matmuls._path().write_text("{not json")
     choice = cpu_matmuls.choose(target, measure=costs([70.0, 100.0], [80.0, 110.0])[0])
     assert choice.skinny and not choice.cached  # measured again, and the file rewritten whole
-    assert json.loads(cpu_matmuls._path().read_text())[cpu_matmuls.choice_key(target.model)]["skinny"] is True
+    assert json.loads(cpu_matmuls._path().read_text())[cpu_matmuls.choice_key(target)]["skinny"] is True
 
 
 def test_real_forwards_are_timed_with_each_setting_and_leave_the_model_as_it_was(target):
@@ -105,10 +105,12 @@ def test_real_forwards_are_timed_with_each_setting_and_leave_the_model_as_it_was
 
 
 def test_the_key_names_the_machine_the_blas_and_the_model(target):
-    key = cpu_matmuls.choice_key(target.model)
+    from engine.calibrate import model_precision, shape_signature
+
+    key = cpu_matmuls.choice_key(target)
     assert platform.device_name() in key and "skinny-" in key
-    assert cpu_matmuls.model_signature(target.model) in key
-    assert cpu_matmuls.model_signature(target.model) != cpu_matmuls.model_signature(make_tiny_engine(seed=1, layers=3).target.model)
+    assert shape_signature(target.model) in key and model_precision(target.model) in key
+    assert shape_signature(target.model) not in cpu_matmuls.choice_key(make_tiny_engine(seed=1, layers=3).target)
 
 
 def test_doctor_names_the_matmuls_and_the_times_that_chose_them(target):
