@@ -63,7 +63,11 @@ class EngineWorker(QObject):
             else:
                 from engine.api import load
 
-                eng = load(spec, drafter=drafter)
+                def timing(done: int, total: int, stage: str) -> None:  # a first load on a CPU: a few seconds
+                    if done == 0:
+                        b.model_loading.emit(f"{label}: timing this computer's matmuls, once")
+
+                eng = load(spec, drafter=drafter, progress=timing)
             info = self._model_info(eng, spec, drafter)
         except Exception as err:  # the previous engine (if any) stays usable
             _report(err)

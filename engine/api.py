@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from engine.errors import TandemError
 from engine.generate import Chunk, Engine, GenerationResult, Prompt
@@ -20,17 +20,21 @@ from engine.generate import Chunk, Engine, GenerationResult, Prompt
 def load(model: str | None = None, *, drafter: str | None = None, draft_model: str | None = None,
          drafter_bits: int | None = None, confidence_threshold: float | None = None,
          draft_vocab: int | None = None, lookup_first: bool | None = None, kv_bits: int | None = None,
-         confidence_rule: str | None = None, dtype: str | None = None) -> Engine:
+         confidence_rule: str | None = None, dtype: str | None = None,
+         progress: Callable[[int, int, str], None] | None = None) -> Engine:
     """Load a target (HF repo id, local folder, .gguf, built-in name, or None for the starter).
     ``kv_bits`` (4/8) quantizes the KV cache on Metal/CUDA; why it stays off elsewhere is in
     ``engine.notes``. ``dtype``: float32 / bfloat16 / float16 for the target's floating
-    parameters (quantized weights stay quantized on Metal/CUDA; None: the platform's policy)."""
+    parameters (quantized weights stay quantized on Metal/CUDA; None: the platform's policy).
+    ``progress(done, total, stage)`` hears of the one slow part of a first load on a CPU: timing
+    this machine's matmuls on the model's forwards (a few seconds, once per machine and model)."""
     from engine import cpu_matmuls
     from engine.loading import load_model
 
     loaded = load_model(model, dtype=dtype)
     eng = Engine(loaded.model, loaded.tokenizer, name=loaded.name, loaded=loaded)
-    eng.cpu_matmuls = cpu_matmuls.choose(eng.target)  # CPU backend: the faster matmuls for 1-14 rows, timed once
+    # CPU backend: the faster matmuls for 1-14 rows, timed once per machine and model
+    eng.cpu_matmuls = cpu_matmuls.choose(eng.target, progress=progress)
     eng.drafter_path = drafter
     eng.draft_model_spec = draft_model
     eng.drafter_bits = drafter_bits

@@ -590,6 +590,7 @@ def tqdm_progress(desc: str = "calibrating") -> tuple[Progress, Callable[[], Non
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="step")
+        bar.total = total  # a curve measured again adds its passes to the total
         bar.set_postfix_str(stage, refresh=False)
         bar.update(done - bar.n)
 

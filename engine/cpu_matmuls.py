@@ -2,10 +2,11 @@
 
 ``engine.skinny_gemm`` sends products of 1-14 rows (a plain step, a verify) past OpenBLAS's
 gemm, which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen
-kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. Where
-OpenBLAS has a small-matrix path of its own (its SkylakeX kernels on an Intel Xeon with AVX-512)
-gemm is the faster one: there the starter's plain step took 69.2 ms against the loops' 83.5
-(the loop's, pipelined), a verify of 8 rows 94.3 against 107.6. Neither wins everywhere, so the first load
+kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. On an Intel
+Xeon with AVX-512, whose OpenBLAS SkylakeX kernels have a small-matrix path of their own, gemm
+won (the starter's pipelined plain step 69.2 ms against the loops' 83.5) until the loops'
+prefetch hint was fixed; now the loops win there too (41.0 against 67.2 ms, a verify of 8 rows
+56.0 against 95.9). A CPU or BLAS build not measured may still favour gemm, so the first load
 of a model on a machine times both on the model's own forwards (the verify loop's own pipelined
 plain steps, and a verify of 8 rows; interleaved) and keeps the faster. The loops stay unless
 gemm wins by ``MARGIN``: their rows are bit-identical across verify widths, which spares the loop
@@ -45,6 +46,7 @@ MARGIN = 1.03  # gemm replaces the loops only when their summed medians are this
 FORCE_ENV = "TANDEM_CPU_MATMULS"
 
 Measure = Callable[[bool], Sequence[float]]  # skinny on? -> ms of each of WIDTHS
+Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
 
 @dataclass
@@ -97,11 +99,12 @@ def timed_forwards(target: Any, passes: int = PASSES, steps: int = STEPS) -> Mea
     return measure
 
 
-def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2) -> Choice | None:
+def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2,
+           progress: Progress | None = None) -> Choice | None:
     """Switch the skinny loops on or off for ``target``'s forwards on this machine: from the cache,
     else timed now (``rounds`` interleaved rounds of each, the cheapest median of each width kept:
-    contention only adds time). None where there is nothing to choose (another backend, no loops
-    installed, a small model)."""
+    contention only adds time; ``progress`` hears of each measurement, only when timing). None
+    where there is nothing to choose (another backend, no loops installed, a small model)."""
     if platform.backend() != "cpu" or not platform.skinny_installed():
         return None
     if forced := forced_choice():
@@ -121,10 +124,14 @@ def choose(target: Any, *, measure: Measure | None = None, rounds: int = 2) -> C
             return choice
     measure = measure or timed_forwards(target)
     best: dict[bool, list[float]] = {}
-    for _ in range(rounds):
-        for skinny in (True, False):
-            ms = list(measure(skinny))
-            best[skinny] = [min(a, b) for a, b in zip(best[skinny], ms)] if skinny in best else ms
+    for done in range(2 * rounds):
+        skinny = done % 2 == 0
+        if progress is not None:
+            progress(done, 2 * rounds, pick_name(skinny))
+        ms = list(measure(skinny))
+        best[skinny] = [min(a, b) for a, b in zip(best[skinny], ms)] if skinny in best else ms
+    if progress is not None:
+        progress(2 * rounds, 2 * rounds, "done")
     keep_loops = sum(best[False]) * MARGIN >= sum(best[True])
     choice = Choice(keep_loops, best[True], best[False], time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     platform.skinny_matmuls(choice.skinny)
@@ -156,7 +163,10 @@ def _read() -> dict:
 
 
 def _write(key: str, choice: Choice) -> None:
-    data = _read()
+    from engine.skinny_gemm import source_id
+
+    current = f"|skinny-{source_id()}|"
+    data = {k: v for k, v in _read().items() if current in k}  # an older kernel's records are never read again
     record = asdict(choice)
     record.pop("cached")
     data[key] = record

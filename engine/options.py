@@ -88,14 +88,20 @@ def warm_up(engine: "Engine", modes: list[str]) -> "Engine":
 
 def load_engine(args: argparse.Namespace) -> "Engine":
     from engine.api import load
+    from engine.calibrate import tqdm_progress
 
     check_prefix_cache_arguments(args)
-    engine = load(args.model, drafter=getattr(args, "drafter", None), draft_model=getattr(args, "draft_model", None),
-                  drafter_bits=getattr(args, "drafter_bits", None),
-                  confidence_threshold=getattr(args, "confidence_threshold", None),
-                  confidence_rule=getattr(args, "confidence_rule", None), dtype=getattr(args, "dtype", None),
-                  draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
-                  kv_bits=getattr(args, "kv_bits", None))
+    progress, close = tqdm_progress("timing this CPU's matmuls (once per model)")  # drawn only if it runs
+    try:
+        engine = load(args.model, drafter=getattr(args, "drafter", None),
+                      draft_model=getattr(args, "draft_model", None),
+                      drafter_bits=getattr(args, "drafter_bits", None),
+                      confidence_threshold=getattr(args, "confidence_threshold", None),
+                      confidence_rule=getattr(args, "confidence_rule", None), dtype=getattr(args, "dtype", None),
+                      draft_vocab=getattr(args, "draft_vocab", None), lookup_first=getattr(args, "lookup_first", None),
+                      kv_bits=getattr(args, "kv_bits", None), progress=progress)
+    finally:
+        close()
     if hasattr(args, "no_prefix_cache"):
         disk = args.prefix_cache_dir
         if disk == "":

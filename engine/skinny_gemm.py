@@ -30,8 +30,8 @@ a compiler, or when the self-test fails, nothing changes.
 
 The sums run in another order than gemm's, so results differ from gemm's in the last bits of
 float32, as rows of different verify widths already did through attention: greedy output can
-change only at an exact floating-point tie. ``TANDEM_NO_SKINNY=1`` turns it off. Where OpenBLAS
-has a small-matrix path of its own (its SkylakeX kernels) gemm can be the faster one:
+change only at an exact floating-point tie. ``TANDEM_NO_SKINNY=1`` turns it off. A CPU or an
+OpenBLAS build with a small-matrix path of its own can still make gemm the faster one:
 ``engine.cpu_matmuls`` times both on each model's forwards, once per machine, and keeps the
 faster. Imports no MLX and no numpy: it runs before ``mlx.core`` is imported.
 """

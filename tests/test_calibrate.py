@@ -436,3 +436,17 @@ def test_cli_prints_the_curves_and_reuses_the_cache(cache_dir, tmp_path, capsys)
     assert data["from_cache"] and 1 <= data["default_cap"] <= 32 and data["widths"][-1] == 33
     assert main(["calibrate", "--model", str(gguf), "--passes", "0"]) == 1
     assert "--passes must be at least 1" in capsys.readouterr().err
+
+
+def test_the_progress_bar_follows_a_total_that_grows():
+    """A curve measured again adds its passes to the total: the bar shows done of the new total,
+    not a count past the end."""
+    from tqdm import tqdm
+
+    update, close = C.tqdm_progress("calibrating")
+    update(0, 10, "prefill")
+    update(10, 10, "verify curve")
+    update(12, 14, "verify curve")
+    (bar,) = [b for b in tqdm._instances if b.desc.startswith("calibrating")]
+    assert (bar.n, bar.total) == (12, 14)
+    close()

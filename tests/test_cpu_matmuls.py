@@ -53,6 +53,23 @@ def test_gemm_that_wins_replaces_the_loops_and_later_loads_read_the_choice(targe
     assert list(stored) == [cpu_matmuls.choice_key(target)]
 
 
+def test_a_first_load_reports_each_measurement_and_drops_an_older_kernels_records(target):
+    stale = cpu_matmuls.choice_key(target).replace("|skinny-", "|skinny-0ld")
+    cpu_matmuls._path().parent.mkdir(parents=True)
+    cpu_matmuls._path().write_text(json.dumps({stale: {"skinny": False, "skinny_ms": [1.0, 2.0], "gemm_ms": [1.0, 2.0],
+                                                       "measured": "then"}}))
+    heard = []
+    choice = cpu_matmuls.choose(target, measure=costs([70.0, 100.0], [80.0, 110.0])[0], rounds=2,
+                                progress=lambda done, total, stage: heard.append((done, total, stage)))
+    assert choice.skinny and not choice.cached
+    assert [(d, t) for d, t, _ in heard] == [(0, 4), (1, 4), (2, 4), (3, 4), (4, 4)]
+    assert [s for _, _, s in heard[:2]] == ["Tandem's skinny loops", "OpenBLAS's gemm"]
+    assert list(json.loads(cpu_matmuls._path().read_text())) == [cpu_matmuls.choice_key(target)]
+    heard.clear()
+    cpu_matmuls.choose(target, measure=refuse, progress=lambda *a: heard.append(a))
+    assert heard == []  # read from the cache: nothing to report
+
+
 def test_the_loops_stay_unless_gemm_wins_by_the_margin(target):
     close = [x / (cpu_matmuls.MARGIN - 0.01) for x in (70.0, 100.0)]  # gemm ahead, inside the margin
     choice = cpu_matmuls.choose(target, measure=costs(close, [70.0, 100.0])[0])
