@@ -30,7 +30,9 @@ CONTEXT = 512  # synthetic context the curves are measured at
 STATIC_P = 0.70  # acceptance the default cap is chosen at
 PRIOR_P = 0.65  # the controller's starting acceptance
 PROBE_CAP = 4  # the largest cap a parked controller probes with (a probe must stay cheap)
-PROBE_GAP = 16  # plain steps before a parked controller's first probe; doubles after each failed one
+PROBE_GAP = 4  # plain steps before a parked controller's first probe; doubles after each failed one
+# (a floor: PROBE_BUDGET keeps costly probes rarer; a rejected DSpark round on a CPU loses ~0.15 plain
+# steps, and with chat's first-draft acceptance near 0.45 a parked request needs several probes to see a win)
 MAX_PROBE_GAP = 256
 NEW_REQUEST_GAP = 64  # the longest gap a new request starts with: a second look within a short answer
 CHEAP_GAP = 8  # plain steps between two probes that a cheap draft (a long n-gram match) triggered
