@@ -51,6 +51,8 @@ from pathlib import Path
 from engine.paths import cache_root
 
 MAX_ROWS = 14  # the own loops' limit: in a whole forward OpenBLAS's gemm is as fast from 16 rows, 15-20 % faster at 32
+SMALL_ROWS = 64  # products this small stay on the calling thread, in the own loops (attention's: 3 query
+SMALL_B = 1 << 18  # heads a key head times 8 verify rows is 24; keys or values up to 4096 x 64 floats)
 SPIN_NS = 1_000_000  # pool threads poll this long for the next product before they sleep
 MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
@@ -73,6 +75,7 @@ static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
 enum { MAX_ROWS = @MAX_ROWS@, MAX_THREADS = @MAX_THREADS@, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
+       SMALL_ROWS = @SMALL_ROWS@, SMALL_B = @SMALL_B@, /* attention's products: up to these rows and floats of b */
        AHEAD = 4 };                          /* tiles of b columns prefetched ahead of the one in use */
 
 void tandem_skinny_bind(sgemm_fn gemm, sgemv_fn gemv) { real_sgemm = gemm; real_sgemv = gemv; on = 1; }
@@ -201,6 +204,55 @@ static void loop_rows(int m, int n, int k, const float *a, int lda, const float 
     for (int i = 0; i < m; i += rows)
       SINGLE[m - i < rows ? m - i : rows](k, a + (size_t)i * lda, lda, b + (size_t)j * ldb, ldb, beta,
                                           c + (size_t)i * ldc + j, ldc, NULL);
+}
+
+/* c = a @ b (+ beta c) with b row-major k x n (attention's probabilities times its values): blocks of
+   NT_ROWS rows of a against NT_VECS vectors of b's columns at a time, the sums in registers. Each
+   c[i, j] starts at beta c[i, j] (0 for beta 0) and adds a[i, p] b[p, j] for p in order, in
+   whichever block row i lands, so a row's result is the same in any product. */
+enum { NT_ROWS = VEC == 16 ? 8 : 4, NT_VECS = 2 };
+static void loop_rows_nt(int m, int n, int k, const float *a, int lda, const float *b, int ldb, float beta,
+                         float *c, int ldc) {
+  const int cols = NT_VECS * VEC;
+  for (int i0 = 0; i0 < m; i0 += NT_ROWS) {
+    const int rows = m - i0 < NT_ROWS ? m - i0 : NT_ROWS;
+    int j = 0;
+    for (; j + cols <= n; j += cols) {
+      vec acc[NT_ROWS][NT_VECS];
+      for (int r = 0; r < rows; r++)
+        for (int v = 0; v < NT_VECS; v++)
+          acc[r][v] = beta == 0.0f ? (vec){0} : beta * ldv(c + (size_t)(i0 + r) * ldc + j + v * VEC);
+      for (int p = 0; p < k; p++) {
+        vec w[NT_VECS];
+        for (int v = 0; v < NT_VECS; v++) w[v] = ldv(b + (size_t)p * ldb + j + v * VEC);
+        for (int r = 0; r < rows; r++) {
+          const float x = a[(size_t)(i0 + r) * lda + p];
+          for (int v = 0; v < NT_VECS; v++) acc[r][v] += x * w[v];
+        }
+      }
+      for (int r = 0; r < rows; r++)
+        memcpy(c + (size_t)(i0 + r) * ldc + j, acc[r], sizeof acc[r]);
+    }
+    for (; j < n; j++)
+      for (int r = 0; r < rows; r++) {
+        float *cij = c + (size_t)(i0 + r) * ldc + j, sum = beta == 0.0f ? 0.0f : beta * *cij;
+        for (int p = 0; p < k; p++) sum += a[(size_t)(i0 + r) * lda + p] * b[(size_t)p * ldb + j];
+        *cij = sum;
+      }
+  }
+}
+
+/* A product small enough for one thread (attention's, at any verify width): kept off OpenBLAS,
+   whose threads, woken for it, would spin against this library's pool and MLX's own thread on the
+   same cores (the starter's decode step at 256 tokens of context: 55 ms against 41). */
+static int small_product(int m, int n, int k, int trans_b, const float *a, int lda, const float *b, int ldb,
+                         float beta, float *c, int ldc) {
+  if (m < 1 || m > SMALL_ROWS || (size_t)n * (size_t)k > SMALL_B) return 0;
+  if (trans_b == TRANS)
+    loop_rows(m, n, k, a, lda, b, ldb, beta, c, ldc);
+  else
+    loop_rows_nt(m, n, k, a, lda, b, ldb, beta, c, ldc);
+  return 1;
 }
 
 /* -- the same loop over column ranges on several threads ----------------------------------------
@@ -385,6 +437,8 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
     if (trans_a == NO_TRANS && trans_b == TRANS && alpha == 1.0f
         && few_rows(m, n, k, a, lda, b, ldb, beta, c, ldc))
       return;
+    if (trans_a == NO_TRANS && alpha == 1.0f && small_product(m, n, k, trans_b, a, lda, b, ldb, beta, c, ldc))
+      return;
     if (m == 1) { /* c = alpha * op(b)^T a + beta * c, as a matrix-vector product */
       int inc_a = trans_a == NO_TRANS ? 1 : lda;
       if (beta == 0.0f) memset(c, 0, sizeof(float) * (size_t)n); /* beta 0 must ignore NaNs in c */
@@ -397,7 +451,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
   }
   real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
-""".replace("@MAX_ROWS@", str(MAX_ROWS)).replace("@SPIN_NS@", str(SPIN_NS)).replace("@MAX_THREADS@", str(MAX_THREADS))  # one value for both sides
+""".replace("@MAX_ROWS@", str(MAX_ROWS)).replace("@SMALL_ROWS@", str(SMALL_ROWS)).replace("@SMALL_B@", str(SMALL_B)).replace("@SPIN_NS@", str(SPIN_NS)).replace("@MAX_THREADS@", str(MAX_THREADS))  # one value for both sides
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 _INT = ctypes.c_int
@@ -471,7 +525,7 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 def self_test(skinny, real_sgemm) -> str:
     """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-MAX_ROWS rows,
-    both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
+    small products of up to SMALL_ROWS, both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
     tail. '' when every result is within float32 rounding of gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
     rng = random.Random(0)
@@ -479,7 +533,9 @@ def self_test(skinny, real_sgemm) -> str:
                                    (2, 37, 19, TRANS, 0.0), (3, 21, 48, TRANS, 1.0), (5, 9, 35, TRANS, 0.0),
                                    (8, 40, 64, TRANS, 0.0), (8, 17, 7, TRANS, 1.0), (4, 30, 20, NO_TRANS, 0.0),
                                    (6, 33, 50, TRANS, 1.0), (11, 9, 40, TRANS, 0.0), (12, 20, 35, TRANS, 0.0),
-                                   (13, 11, 40, TRANS, 1.0), (MAX_ROWS, 19, 33, TRANS, 0.0), (13, 10, 17, TRANS, 0.0)):
+                                   (13, 11, 40, TRANS, 1.0), (MAX_ROWS, 19, 33, TRANS, 0.0), (13, 10, 17, TRANS, 0.0),
+                                   (24, 37, 19, TRANS, 0.0), (40, 21, 48, TRANS, 1.0), (3, 37, 19, NO_TRANS, 0.0),
+                                   (24, 70, 33, NO_TRANS, 0.0), (SMALL_ROWS, 40, 17, NO_TRANS, 1.0)):
         lda, ldc = k + 3, n + 2  # strided rows
         ldb = k if trans_b == TRANS else n
         a, b = _floats(rng, m * lda), _floats(rng, n * k)

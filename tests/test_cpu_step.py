@@ -162,6 +162,31 @@ def test_a_row_does_not_depend_on_how_many_rows_share_the_product():
 
 
 @needs_skinny
+@pytest.mark.parametrize("layout", ["scores q@K.T", "values p@V"])
+def test_attention_products_stay_in_the_own_loops_and_a_row_does_not_depend_on_the_width(layout):
+    """Attention's products (a verify of 8 rows times 3 query heads a key head is 24 rows; keys or
+    values a few hundred rows of 64) take the own loops at any width up to SMALL_ROWS rows, not
+    OpenBLAS (whose threads would wake for them): they match numpy, and a row's result is
+    bit-identical in every width, a decode step's included."""
+    rng = np.random.default_rng(5)
+    context, head = 301, 64
+    rows = skinny_gemm.SMALL_ROWS
+    if layout == "scores q@K.T":
+        b = rng.standard_normal((context, head)).astype(np.float32)  # keys
+        x = rng.standard_normal((rows, head)).astype(np.float32)
+        product, want = (lambda a: a @ mx.array(b).T), x @ b.T
+    else:
+        b = rng.standard_normal((context, head)).astype(np.float32)  # values
+        x = rng.random((rows, context)).astype(np.float32)  # probabilities, unnormalised
+        product, want = (lambda a: a @ mx.array(b)), x @ b
+    full = product(mx.array(x))
+    np.testing.assert_allclose(np.array(full), want, rtol=1e-4, atol=1e-3)
+    for width in (1, 2, 3, 8, 13, 24, 25, 40, rows):
+        assert mx.array_equal(product(mx.array(x[:width])), full[:width]).item(), width
+        assert mx.array_equal(product(mx.array(x[width - 1: width])), full[width - 1: width]).item(), width
+
+
+@needs_skinny
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 13, skinny_gemm.MAX_ROWS])
 def test_a_product_split_over_threads_is_bit_identical_to_one_thread(rows):
     """Threads take whole column ranges and run the one-thread code on them: every element is
