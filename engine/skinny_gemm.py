@@ -15,9 +15,16 @@ OpenBLAS preload does: a small C library exporting ``cblas_sgemm`` that sends
   tiles prefetched; each dot product summed in 16 lanes, then the lanes in order, whatever the
   tile, so a row's result is bit-identical in any 1-14-row product: a decode step's row and the
   same row inside a verify get the same matmul sums. Output columns are split over as many
-  threads as OpenBLAS uses (a small pool that polls for up to a millisecond, then sleeps; a product under ~128 KB
-  of weights stays on the calling thread); every output element is computed by the same code
-  whichever thread gets it, so a split product is bit-identical to the one-thread loop;
+  threads as OpenBLAS uses (a small pool that polls for up to a millisecond, then sleeps; a
+  product under ~128 KB of weights stays on the calling thread); every output element is
+  computed by the same code whichever thread gets it, so a split product is bit-identical to the
+  one-thread loop;
+* products small enough for one thread (up to 64 rows times up to 256K floats of b: attention's
+  scores ``q @ K.T`` and values ``p @ V``, 24 rows in a verify of 8 with 3 query heads a key
+  head) to the same loops, or for ``a @ b`` to a row-blocked loop of its own, on the calling
+  thread: given to OpenBLAS, they woke its threads, which then spun against this pool and MLX's
+  thread (on 2 cores the starter's step at 256 tokens of context took 55 ms instead of 42); each
+  row is summed the same way in any of them, so attention too is bit-identical across widths;
 * other 1-row layouts to OpenBLAS's ``cblas_sgemv``;
 * everything else (prefill, verifies of more than 14 rows, other layouts) to OpenBLAS's
   ``cblas_sgemm``.
@@ -51,8 +58,10 @@ from pathlib import Path
 from engine.paths import cache_root
 
 MAX_ROWS = 14  # the own loops' limit: in a whole forward OpenBLAS's gemm is as fast from 16 rows, 15-20 % faster at 32
-SMALL_ROWS = 64  # products this small stay on the calling thread, in the own loops (attention's: 3 query
-SMALL_B = 1 << 18  # heads a key head times 8 verify rows is 24; keys or values up to 4096 x 64 floats)
+# Products of up to SMALL_ROWS rows and SMALL_B floats of b stay in the own loops on the calling thread:
+# attention's (3 query heads a key head times 8 verify rows is 24 rows; keys or values up to 4096 x 64)
+SMALL_ROWS = 64
+SMALL_B = 1 << 18
 SPIN_NS = 1_000_000  # pool threads poll this long for the next product before they sleep
 MAX_THREADS = 8  # the C side's limit on the threads one product is split over
 
@@ -75,7 +84,7 @@ static sgemv_fn real_sgemv;
 static int on;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112, LANES = 16 };
 enum { MAX_ROWS = @MAX_ROWS@, MAX_THREADS = @MAX_THREADS@, MIN_SPLIT = 1 << 15, /* weights (floats) worth waking a thread for */
-       SMALL_ROWS = @SMALL_ROWS@, SMALL_B = @SMALL_B@, /* attention's products: up to these rows and floats of b */
+       SMALL_ROWS = @SMALL_ROWS@, SMALL_B = @SMALL_B@, /* attention's: up to these rows and floats of b */
        AHEAD = 4 };                          /* tiles of b columns prefetched ahead of the one in use */
 
 void tandem_skinny_bind(sgemm_fn gemm, sgemv_fn gemv) { real_sgemm = gemm; real_sgemv = gemv; on = 1; }
@@ -247,7 +256,8 @@ static void loop_rows_nt(int m, int n, int k, const float *a, int lda, const flo
    same cores (the starter's decode step at 256 tokens of context: 55 ms against 41). */
 static int small_product(int m, int n, int k, int trans_b, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc) {
-  if (m < 1 || m > SMALL_ROWS || (size_t)n * (size_t)k > SMALL_B) return 0;
+  if (m < 1 || m > SMALL_ROWS || (size_t)n * (size_t)k > SMALL_B || (trans_b != TRANS && trans_b != NO_TRANS))
+    return 0;
   if (trans_b == TRANS)
     loop_rows(m, n, k, a, lda, b, ldb, beta, c, ldc);
   else
@@ -451,7 +461,9 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
   }
   real_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
-""".replace("@MAX_ROWS@", str(MAX_ROWS)).replace("@SMALL_ROWS@", str(SMALL_ROWS)).replace("@SMALL_B@", str(SMALL_B)).replace("@SPIN_NS@", str(SPIN_NS)).replace("@MAX_THREADS@", str(MAX_THREADS))  # one value for both sides
+"""
+for _name in ("MAX_ROWS", "SMALL_ROWS", "SMALL_B", "SPIN_NS", "MAX_THREADS"):  # one value for both sides
+    SOURCE = SOURCE.replace(f"@{_name}@", str(globals()[_name]))
 
 _FLOAT_P = ctypes.POINTER(ctypes.c_float)
 _INT = ctypes.c_int
@@ -525,8 +537,9 @@ def _floats(rng: random.Random, n: int, nan: bool = False):
 
 def self_test(skinny, real_sgemm) -> str:
     """Compare ``skinny.cblas_sgemm`` with OpenBLAS's on the products it takes over: 1-MAX_ROWS rows,
-    small products of up to SMALL_ROWS, both layouts of b, beta 0 over NaN garbage and beta 1, strided rows, k with and without a
-    tail. '' when every result is within float32 rounding of gemm's."""
+    small products of up to SMALL_ROWS, both layouts of b, beta 0 over NaN garbage and beta 1,
+    strided rows, k with and without a tail. '' when every result is within float32 rounding of
+    gemm's."""
     skinny.cblas_sgemm.argtypes = _SGEMM_ARGS
     rng = random.Random(0)
     for m, n, k, trans_b, beta in ((1, 37, 19, TRANS, 0.0), (1, 37, 19, NO_TRANS, 1.0), (1, 50, 33, TRANS, 1.0),
