@@ -1,20 +1,20 @@
 """Which matmuls a model's forwards run on the CPU backend: Tandem's skinny loops or OpenBLAS's gemm.
 
-``engine.skinny_gemm`` sends products of 1-14 rows (a plain step, a verify) past OpenBLAS's
-gemm, which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen
-kernels on an AMD EPYC, where the loops made the starter's plain step twice as fast. On an Intel
-Xeon with AVX-512, whose OpenBLAS SkylakeX kernels have a small-matrix path of their own, gemm
-won (the starter's pipelined plain step 69.2 ms against the loops' 83.5) until the loops'
-prefetch hint was fixed; now the loops win there too (41.0 against 67.2 ms, a verify of 8 rows
-56.0 against 95.9). A CPU or BLAS build not measured may still favour gemm, so the first load
-of a model on a machine times both on the model's own forwards (the verify loop's own pipelined
-plain steps, and a verify of 8 rows; interleaved) and keeps the faster. The loops stay unless
-gemm wins by ``MARGIN``: their rows are bit-identical across verify widths, which spares the loop
-near-tie flips. The choice is cached in ``<cache>/cpu-matmuls.json``, keyed on the CPU, the
-OpenBLAS build and its threads, the loops' source and the model's shapes and precision: later
-loads only read it. Models under ``MIN_BYTES`` of weights keep the loops untimed (their forwards
-are too short to tell apart). ``TANDEM_CPU_MATMULS=loops|gemm`` skips the timing and forces one
-(the test suite pins the loops).
+``engine.skinny_gemm`` sends products of 1-14 rows (a plain step, a verify) past OpenBLAS's gemm,
+which on some builds packs the weights before multiplying: OpenBLAS 0.3.21's Haswell/Zen kernels on
+an AMD EPYC, where the loops made the starter's plain step twice as fast. On an Intel Xeon with
+AVX-512, whose OpenBLAS SkylakeX kernels have a small-matrix path of their own, gemm won (the
+starter's pipelined plain step 69.2 ms against the loops' 83.5) until the loops' prefetch hint was
+fixed and attention's small products kept off OpenBLAS's threads; now the loops win there too (34.5
+against 65.3 ms, a verify of 8 rows 56.3 against 98.1). A CPU or BLAS build not measured may still
+favour gemm, so the first load of a model on a machine times both on the model's own forwards (the
+verify loop's own pipelined plain steps, and a verify of 8 rows; interleaved) and keeps the faster.
+The loops stay unless gemm wins by ``MARGIN``: their rows are bit-identical across verify widths,
+which spares the loop near-tie flips. The choice is cached in ``<cache>/cpu-matmuls.json``, keyed
+on the CPU, the OpenBLAS build and its threads, the loops' source and the model's shapes and
+precision: later loads only read it. Models under ``MIN_BYTES`` of weights keep the loops untimed
+(their forwards are too short to tell apart). ``TANDEM_CPU_MATMULS=loops|gemm`` skips the timing
+and forces one (the test suite pins the loops).
 """
 
 from __future__ import annotations
