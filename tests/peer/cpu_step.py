@@ -15,6 +15,8 @@ Tables:
 5. attention's share of a W-row forward (the forward timed with attention replaced by a stand-in
    that returns its queries, its keys and values still computed: a cost split, not a model), and what one ``mx.exp`` costs per
    element on this backend (every attention score goes through one in the softmax).
+6. plain greedy decoding after synthetic prompts of 32 to 1024 tokens: how a step grows with the
+   context (attention's small products through OpenBLAS once woke its threads against the pool).
 Not collected by pytest (no ``test_`` prefix).
 """
 
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decoding run")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--context", type=int, default=100, help="tokens of context for the verify-cost curve")
-    p.add_argument("--tables", default="12345", help="which tables to print, e.g. 3 for the verify-cost curve")
+    p.add_argument("--tables", default="123456", help="which tables to print, e.g. 3 for the verify-cost curve")
     args = p.parse_args(argv)
 
     eng = load()
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         lookup_round(eng, target, args)
     if "5" in args.tables:
         attention_share(eng, args)
+    if "6" in args.tables:
+        decode_by_context(eng, args)
     return 0
 
 
@@ -219,6 +223,19 @@ def verify_curve(eng, args, configure) -> None:
     for w in widths:
         print(f"{w:4d}" + "".join(f"{med(curve[(w, arm)]) * 1e3:14.1f}{med(curve[(w, arm)]) / step:8.2f}"
                                   for arm in arms))
+
+
+def decode_by_context(eng, args) -> None:
+    from engine.calibrate import synthetic_prompt
+
+    print(f"\n6. plain greedy decoding by context, {args.tokens} tokens after a synthetic prompt, median of {args.repeats}")
+    print(f"{'prompt':>8}{'tok/s':>9}{'ms/token':>10}")
+    for n in (32, 128, 256, 512, 1024):
+        ids = synthetic_prompt(eng.target.vocab_size, n)
+        runs = [eng.generate(ids, mode="baseline", max_new_tokens=args.tokens, prefix_cache=False,
+                             chat_template=False) for _ in range(args.repeats)]
+        ms = med([1000.0 * r.decode_s / max(1, r.generated) for r in runs])
+        print(f"{n:>8}{1000.0 / ms:>9.1f}{ms:>10.1f}")
 
 
 def attention_share(eng, args) -> None:
