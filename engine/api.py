@@ -26,8 +26,8 @@ def load(model: str | None = None, *, drafter: str | None = None, draft_model: s
     ``kv_bits`` (4/8) quantizes the KV cache on Metal/CUDA; why it stays off elsewhere is in
     ``engine.notes``. ``dtype``: float32 / bfloat16 / float16 for the target's floating
     parameters (quantized weights stay quantized on Metal/CUDA; None: the platform's policy).
-    ``progress(done, total, stage)`` hears of the one slow part of a first load on a CPU: timing
-    this machine's matmuls on the model's forwards (a few seconds, once per machine and model)."""
+    ``progress(done, total, stage)`` hears of the timing a first load runs on a CPU: this machine's
+    matmuls on the model's forwards (a few seconds, once per machine and model)."""
     from engine import cpu_matmuls
     from engine.loading import load_model
 
