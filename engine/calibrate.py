@@ -31,7 +31,6 @@ The cost model and the live controller: ``engine/cost_model.py``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -229,13 +228,12 @@ def load_cached(key: str) -> Calibration | None:
 
 def save(cal: Calibration) -> Path:
     """Merge into the cache file, written atomically (temp file + rename)."""
+    from engine.paths import write_json_atomic
+
     path = cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = _read_cache() or {"schema": SCHEMA, "entries": {}}
     data.setdefault("entries", {})[cal.key] = cal.to_dict()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
     return path
 
 

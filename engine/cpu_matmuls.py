@@ -163,6 +163,7 @@ def _read() -> dict:
 
 
 def _write(key: str, choice: Choice) -> None:
+    from engine.paths import write_json_atomic
     from engine.skinny_gemm import source_id
 
     current = f"|skinny-{source_id()}|"
@@ -170,11 +171,7 @@ def _write(key: str, choice: Choice) -> None:
     record = asdict(choice)
     record.pop("cached")
     data[key] = record
-    path = _path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
+        write_json_atomic(_path(), data)
     except OSError:
         pass  # a read-only cache: the choice holds for this process and is measured again next time

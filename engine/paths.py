@@ -4,8 +4,10 @@ folder. Imports no MLX."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def resources_dir() -> Path:
@@ -18,3 +20,15 @@ def cache_root() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tandem"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON through a temp file and a rename: a reader (another process too) sees
+    the old file or the whole new one, never half of it. Raises OSError (a read-only folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -155,3 +155,20 @@ def test_the_environment_forces_either_untimed_and_a_bad_value_is_named(target, 
         cpu_matmuls.choose(eng.target, measure=refuse)
     assert "TANDEM_CPU_MATMULS='fast'" in dict(model_rows(eng))["CPU matmuls"]
     assert not cpu_matmuls._path().exists()
+
+
+def test_cache_files_are_replaced_whole_or_not_at_all(tmp_path):
+    """The calibration and matmul caches write through ``paths.write_json_atomic``: a write that
+    fails leaves the old file as it was and no temp file behind."""
+    from engine.paths import write_json_atomic
+
+    path = tmp_path / "cache" / "choices.json"
+    write_json_atomic(path, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})  # not JSON
+    assert json.loads(path.read_text()) == {"a": 1}
+    blocked = tmp_path / "cache" / "taken.json"
+    (blocked / "inside").mkdir(parents=True)  # a folder where the file should go: the rename fails
+    with pytest.raises(OSError):
+        write_json_atomic(blocked, {"b": 2})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["choices.json", "taken.json"]  # no temp file
