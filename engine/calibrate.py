@@ -30,7 +30,6 @@ The cost model and the live controller: ``engine/cost_model.py``.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -204,14 +203,10 @@ def cache_path() -> Path:
 
 
 def _read_cache() -> dict:
-    path = cache_path()
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError):
-        return {}  # a damaged cache is rebuilt, never fatal
-    return data if isinstance(data, dict) and data.get("schema") == SCHEMA else {}
+    from engine.paths import read_json
+
+    data = read_json(cache_path())
+    return data if data.get("schema") == SCHEMA else {}
 
 
 def load_cached(key: str) -> Calibration | None:

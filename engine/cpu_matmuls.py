@@ -19,7 +19,6 @@ and forces one (the test suite pins the loops).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -71,11 +70,16 @@ def pick_name(skinny: bool) -> str:
 def choice_key(target: Any) -> str:
     """The CPU, the OpenBLAS build, the loops' source and the model's shapes and precision (as a
     calibration names them)."""
+    model = target.model
+    return "|".join((platform.device_name(), platform.blas_build(), _kernel_tag(),
+                     shape_signature(model, target.tap_layers), model_precision(model)))
+
+
+def _kernel_tag() -> str:
+    """The loops' source in a choice's key (a changed kernel is timed again)."""
     from engine.skinny_gemm import source_id
 
-    model = target.model
-    return "|".join((platform.device_name(), platform.blas_build(), f"skinny-{source_id()}",
-                     shape_signature(model, target.tap_layers), model_precision(model)))
+    return f"skinny-{source_id()}"
 
 
 def timed_forwards(target: Any, passes: int = PASSES, steps: int = STEPS) -> Measure:
@@ -155,18 +159,15 @@ def _path():
 
 
 def _read() -> dict:
-    try:
-        data = json.loads(_path().read_text())
-    except (OSError, ValueError):
-        return {}  # missing or damaged: measured again, never fatal
-    return data if isinstance(data, dict) else {}
+    from engine.paths import read_json
+
+    return read_json(_path())  # missing or damaged: measured again, never fatal
 
 
 def _write(key: str, choice: Choice) -> None:
     from engine.paths import write_json_atomic
-    from engine.skinny_gemm import source_id
 
-    current = f"|skinny-{source_id()}|"
+    current = f"|{_kernel_tag()}|"
     data = {k: v for k, v in _read().items() if current in k}  # an older kernel's records are never read again
     record = asdict(choice)
     record.pop("cached")

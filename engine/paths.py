@@ -22,6 +22,16 @@ def cache_root() -> Path:
     return Path(base) / "tandem"
 
 
+def read_json(path: Path) -> dict:
+    """A cache file's JSON object, or {} when it is missing, unreadable, damaged or not an object:
+    a cache is rebuilt, never fatal."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write ``data`` as JSON through a temp file and a rename: a reader (another process too) sees
     the old file or the whole new one, never half of it. Raises OSError (a read-only folder)."""
