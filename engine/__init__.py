@@ -10,10 +10,10 @@ Three layers; imports point down only (``tests/test_layout.py`` checks it):
   loading (``loading``, ``gguf``, ``starter``) and ``platform`` + ``skinny_gemm`` (BLAS);
 * orchestration: ``generate`` (``Engine``: prompts, drafters, streaming), ``prefix_cache`` +
   ``prefix_disk`` (stored prompt prefixes, in memory and on disk), ``modes``, ``registry``,
-  ``calibrate`` + ``cost_model`` (cost curves, ``--max-draft auto``), ``cpu_matmuls`` (the skinny
-  loops or OpenBLAS's gemm, timed per machine and model), ``warmup``, ``roofline``,
-  ``benchmark`` + ``prompts`` (the shipped prompt sets), ``doctor``, ``options`` (the loading flags
-  every front end shares) and ``api`` (the Python API);
+  ``calibrate`` + ``cost_model`` + ``cap_controller`` (cost curves, ``--max-draft auto``),
+  ``cpu_matmuls`` (the skinny loops or OpenBLAS's gemm, timed per machine and model), ``warmup``,
+  ``roofline``, ``benchmark`` + ``prompts`` (the shipped prompt sets), ``doctor``, ``options`` (the
+  loading flags every front end shares) and ``api`` (the Python API);
 * front ends: ``cli/`` (the ``tandem`` command), ``serve/`` (the local API server), ``train/``
   (``tandem train-drafter``); the desktop app (``app/``) sits beside them.
 

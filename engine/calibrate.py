@@ -25,7 +25,7 @@ width's cheaper median; a cached calibration is reused for good, so one burst mu
 every later round. The result is cached in ``<cache>/calibration.json`` keyed by
 device, MLX version, backend, precision, target, drafter and schema version.
 
-The cost model and the live controller: ``engine/cost_model.py``.
+The cost model: ``engine/cost_model.py``; the live controller: ``engine/cap_controller.py``.
 """
 
 from __future__ import annotations
@@ -39,16 +39,8 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from engine.cost_model import (
-    CONTEXT,
-    STATIC_P,
-    Calibration,
-    CapController,
-    LearnedState,
-    best_cap,
-    rate,
-    static_cap,
-)
+from engine.cap_controller import CapController, LearnedState
+from engine.cost_model import CONTEXT, STATIC_P, Calibration, best_cap, rate, static_cap
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.protocols import EngineLike

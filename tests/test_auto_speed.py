@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from engine import calibrate as C
+from engine import cap_controller as CC
 from engine import cost_model as M
 from engine.drafters.base import Draft, Drafter
 from engine.sampling import Sampler, SamplingParams
@@ -111,7 +112,7 @@ def test_a_slow_drafter_parks_within_a_few_rounds_and_runs_pipelined_plain_steps
     ref = reference(eng)
     drafter = Oracle(ref, right_from=10 ** 6)  # every first draft rejected: one token per round
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.5, draft=3.0)  # a round: 4.5 ms
-    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    ctrl = CC.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock)
     assert tokens == ref
     caps = stats.caps[1:]
@@ -121,7 +122,7 @@ def test_a_slow_drafter_parks_within_a_few_rounds_and_runs_pipelined_plain_steps
     rounds_before_parking = sum(1 for c in caps[3 : caps.index(0, 3)] if c > 0)
     assert rounds_before_parking <= ctrl.min_rounds + ctrl.repick_every  # whatever the curves promised
     probes = [c for c in caps[caps.index(0, 3):] if c > 0]
-    assert probes and all(1 <= c <= M.PROBE_CAP for c in probes)
+    assert probes and all(1 <= c <= CC.PROBE_CAP for c in probes)
     assert len(probes) <= 4  # rare: gaps 16, 32, 64, ... plain steps
     gaps = np.diff([i for i, c in enumerate(caps) if c > 0 and i > caps.index(0, 3)])
     assert all(b >= a for a, b in zip(gaps, gaps[1:]))  # the gap grows after each failed probe
@@ -138,13 +139,13 @@ def test_a_drafter_with_nothing_to_propose_parks_where_a_plain_round_costs_a_syn
     drafter = Oracle(ref)
     drafter.propose = lambda ids, cap, sampler: None
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.4, draft=0.02)
-    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
+    ctrl = CC.CapController(M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock)
     assert tokens == ref and ctrl.state.parked
     caps = stats.caps[1:]
     parked_at = caps.index(0, 3)
     assert sum(1 for c in caps[:parked_at] if c > 0) <= ctrl.min_rounds + ctrl.repick_every
-    assert sum(1 for c in caps[parked_at:] if c > 0) <= len(caps) / M.PROBE_GAP + 1  # probes: one per gap at most
+    assert sum(1 for c in caps[parked_at:] if c > 0) <= len(caps) / CC.PROBE_GAP + 1  # probes: one per gap at most
     assert clock.now * 1000.0 < 1.05 * len(ref)  # within 5% of plain steps throughout
 
 
@@ -152,7 +153,7 @@ def test_a_drafter_that_pays_keeps_speculating(eng):
     ref = reference(eng)
     drafter = Oracle(ref)  # every draft accepted
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5)
-    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
+    ctrl = CC.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
                                                    draft=lambda c: 0.5), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock)
     assert tokens == ref and not ctrl.state.parked
@@ -165,12 +166,12 @@ def test_a_sure_loss_parks_after_two_rounds(eng):
     ref = reference(eng)
     drafter = Oracle(ref, right_from=10 ** 6)
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.5, draft=3.0)
-    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    ctrl = CC.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock)
     assert tokens == ref
     caps = stats.caps[1:]
-    assert caps[3 : 3 + M.SURE_ROUNDS] == [caps[3]] * M.SURE_ROUNDS and caps[3] > 0
-    assert caps[3 + M.SURE_ROUNDS] == 0  # parked right after the second losing round
+    assert caps[3 : 3 + CC.SURE_ROUNDS] == [caps[3]] * CC.SURE_ROUNDS and caps[3] > 0
+    assert caps[3 + CC.SURE_ROUNDS] == 0  # parked right after the second losing round
 
 
 def test_each_request_is_judged_on_its_own_rounds(eng):
@@ -179,19 +180,19 @@ def test_each_request_is_judged_on_its_own_rounds(eng):
     not carry over to shield it."""
     ref = reference(eng)
     pays = M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0, draft=lambda c: 0.5)
-    state = M.LearnedState()
+    state = CC.LearnedState()
     good = Oracle(ref)
-    ctrl = M.CapController(pays, good.max_draft, state=state, warm_plain=C.WARM_PLAIN)
+    ctrl = CC.CapController(pays, good.max_draft, state=state, warm_plain=C.WARM_PLAIN)
     run_auto(eng, good, ctrl, CostClock(eng.target, good, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5))
     assert not state.parked
     state.shrink()
     bad = Oracle(ref, right_from=10 ** 6)
-    ctrl = M.CapController(pays, bad.max_draft, state=state, warm_plain=C.WARM_PLAIN)
+    ctrl = CC.CapController(pays, bad.max_draft, state=state, warm_plain=C.WARM_PLAIN)
     tokens, stats = run_auto(eng, bad, ctrl, CostClock(eng.target, bad, step=1.0, verify=lambda w: 1.5, draft=3.0))
     assert tokens == ref
     caps = stats.caps[1:]
     assert caps[0] > 0  # after a clear win the request speculates from its first step (no warm plain steps)
-    assert sum(1 for c in caps[: caps.index(0)] if c > 0) <= M.SURE_ROUNDS
+    assert sum(1 for c in caps[: caps.index(0)] if c > 0) <= CC.SURE_ROUNDS
 
 
 def test_warm_plain_steps_are_skipped_only_after_a_clear_win(eng):
@@ -202,28 +203,28 @@ def test_warm_plain_steps_are_skipped_only_after_a_clear_win(eng):
     pays = M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0, draft=lambda c: 0.5)
 
     def request(state, drafter, clock_verify, draft_ms):
-        ctrl = M.CapController(pays, drafter.max_draft, state=state, warm_plain=C.WARM_PLAIN)
+        ctrl = CC.CapController(pays, drafter.max_draft, state=state, warm_plain=C.WARM_PLAIN)
         tokens, stats = run_auto(eng, drafter, ctrl, CostClock(eng.target, drafter, step=1.0, verify=clock_verify,
                                                                draft=draft_ms))
         assert tokens == ref
         return stats.caps[1:]
 
-    clear = M.LearnedState()
+    clear = CC.LearnedState()
     first = request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)
     assert first[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN  # no plain step timed yet
     assert clear.plain[0] > 0 and not clear.parked
     clear.shrink()
-    assert clear.last_spell[0] >= 4 and clear.last_spell[1] / clear.last_spell[2] >= M.CLEAR_WIN
+    assert clear.last_spell[0] >= 4 and clear.last_spell[1] / clear.last_spell[2] >= CC.CLEAR_WIN
     assert request(clear, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[0] > 0
     # One-token drafts, all accepted: 2 tokens per 1.7 plain steps' time, a narrow win that keeps the warm steps.
-    narrow = M.LearnedState()
+    narrow = CC.LearnedState()
     request(narrow, Oracle(ref, max_draft=1), lambda w: 1.2, 0.5)
     narrow.shrink()
     assert not narrow.parked and narrow.last_spell[0] >= 4
-    assert narrow.last_spell[1] / narrow.last_spell[2] < M.CLEAR_WIN
+    assert narrow.last_spell[1] / narrow.last_spell[2] < CC.CLEAR_WIN
     assert request(narrow, Oracle(ref), lambda w: 1.2 + 0.05 * w, 0.5)[:C.WARM_PLAIN] == [0] * C.WARM_PLAIN
     # A request that ended parked (drafts always wrong) leaves no spell to go by.
-    lost = M.LearnedState()
+    lost = CC.LearnedState()
     request(lost, Oracle(ref, right_from=10 ** 6), lambda w: 1.5, 3.0)
     assert lost.parked
     lost.shrink()
@@ -236,19 +237,19 @@ def test_probes_that_keep_failing_stay_rare_on_later_requests(eng):
     failed probes is halved, not reset: a drafter that loses on every request costs few
     probes per request."""
     ref = reference(eng, 240)
-    state = M.LearnedState()
+    state = CC.LearnedState()
     probes = []
     for _ in range(3):
         if state.rounds:
             state.shrink()
         drafter = Oracle(ref, right_from=10 ** 6)
-        ctrl = M.CapController(optimistic_cal(), drafter.max_draft, state=state, warm_plain=3)
+        ctrl = CC.CapController(optimistic_cal(), drafter.max_draft, state=state, warm_plain=3)
         tokens, stats = run_auto(eng, drafter, ctrl, CostClock(eng.target, drafter, step=1.0,
                                                                verify=lambda w: 1.5, draft=3.0), n=240)
         assert tokens == ref and state.parked
         probes.append(sum(1 for c in stats.caps[1:] if c > 0))
     assert probes[-1] <= 3 and probes[-1] < probes[0]
-    assert state.probe_gap >= 4 * M.PROBE_GAP
+    assert state.probe_gap >= 4 * CC.PROBE_GAP
 
 
 class CatchingUp(Oracle):
@@ -284,7 +285,7 @@ def test_a_costly_probe_waits_for_its_budget_across_short_answers(eng):
     included, waits for its budget across requests instead of coming at every request's start;
     yet the controller still looks now and then."""
     ref = reference(eng, 128)
-    state = M.LearnedState()
+    state = CC.LearnedState()
     spent, probes = [], []
     for request in range(7):
         if request:
@@ -292,7 +293,7 @@ def test_a_costly_probe_waits_for_its_budget_across_short_answers(eng):
         clock_ms = [0.0]
         drafter = CatchingUp(ref, clock_ms, per_token=0.1, right_from=10 ** 6)
         clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.5, draft=3.0)
-        ctrl = M.CapController(optimistic_cal(), drafter.max_draft, state=state, warm_plain=3)
+        ctrl = CC.CapController(optimistic_cal(), drafter.max_draft, state=state, warm_plain=3)
         timed = lambda: clock() + clock_ms[0] / 1000.0  # noqa: E731
         timed.close = clock.close
         tokens, stats = run_auto(eng, drafter, ctrl, timed, n=128)
@@ -300,9 +301,9 @@ def test_a_costly_probe_waits_for_its_budget_across_short_answers(eng):
         spent.append(timed() * 1000.0)
         probes.append(sum(1 for c in stats.caps[1:] if c > 0))
     plain = 1.5 + (len(ref) - 1) * 1.0  # the prefill, then pipelined plain steps
-    assert sum(spent[1:]) < plain * len(spent[1:]) * (1 + 1.5 * M.PROBE_BUDGET)
+    assert sum(spent[1:]) < plain * len(spent[1:]) * (1 + 1.5 * CC.PROBE_BUDGET)
     assert 1 <= sum(probes[1:]) < len(probes[1:])  # still looking, not at every request
-    assert state.budget_gap() > M.NEW_REQUEST_GAP
+    assert state.budget_gap() > CC.NEW_REQUEST_GAP
 
 
 def test_rounds_are_judged_against_plain_steps_timed_at_their_own_pace(eng):
@@ -312,16 +313,16 @@ def test_rounds_are_judged_against_plain_steps_timed_at_their_own_pace(eng):
     even against the stale steps. It times plain steps at its own pace once its rounds stop
     winning clearly, and parks them."""
     ref = reference(eng, 128)
-    state = M.LearnedState()
+    state = CC.LearnedState()
     slow = Oracle(ref, right_from=30)  # wrong drafts, then right ones: parked, then a clear win
     clock = CostClock(eng.target, slow, step=3.0, verify=lambda w: 3.3, draft=1.5)
-    tokens, stats = run_auto(eng, slow, M.CapController(optimistic_cal(), slow.max_draft, state=state,
+    tokens, stats = run_auto(eng, slow, CC.CapController(optimistic_cal(), slow.max_draft, state=state,
                                                         warm_plain=4), clock, n=128)
     assert tokens == ref and not state.parked and state.plain[0] > 8  # many plain steps timed at 3 ms
     state.shrink()
     fast = Oracle(ref, right_from=10 ** 6)  # every first draft rejected
     clock = CostClock(eng.target, fast, step=1.0, verify=lambda w: 1.7, draft=0.5)
-    ctrl = M.CapController(optimistic_cal(), fast.max_draft, state=state, warm_plain=4)
+    ctrl = CC.CapController(optimistic_cal(), fast.max_draft, state=state, warm_plain=4)
     tokens, stats = run_auto(eng, fast, ctrl, clock, n=128)
     assert tokens == ref
     caps = stats.caps[1:]
@@ -340,27 +341,27 @@ def test_a_calibration_timed_in_a_slow_minute_does_not_outweigh_the_request_s_ow
     drafter = Oracle(ref, right_from=10 ** 6)  # one token a round
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.7, draft=0.5)
     slow = M.Calibration.synthetic(lambda w: 3.0, 8, plain_ms=3.0)
-    ctrl = M.CapController(slow, drafter.max_draft, warm_plain=4)
+    ctrl = CC.CapController(slow, drafter.max_draft, warm_plain=4)
     tokens, stats = run_auto(eng, drafter, ctrl, clock, n=96)
     assert tokens == ref
     caps = stats.caps[1:]
     assert caps[:4] == [0, 0, 0, 0] and abs(ctrl.plain_ms() - 1.0) < 1e-6
-    assert caps[4 : 4 + M.SURE_ROUNDS] == [caps[4]] * M.SURE_ROUNDS and caps[4] > 0
-    assert caps[4 + M.SURE_ROUNDS] == 0  # parked after SURE_ROUNDS rounds, not after min_rounds
+    assert caps[4 : 4 + CC.SURE_ROUNDS] == [caps[4]] * CC.SURE_ROUNDS and caps[4] > 0
+    assert caps[4 + CC.SURE_ROUNDS] == 0  # parked after SURE_ROUNDS rounds, not after min_rounds
 
 
 def test_a_parked_controller_unparks_when_acceptance_rises(eng):
     ref = reference(eng, 400)
     drafter = Oracle(ref, right_from=60)
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.2 + 0.05 * w, draft=0.5)
-    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
+    ctrl = CC.CapController(M.Calibration.synthetic(lambda w: 1.2 + 0.05 * w, 8, plain_ms=1.0,
                                                    draft=lambda c: 0.5), drafter.max_draft)
     tokens, stats = run_auto(eng, drafter, ctrl, clock, n=400)
     assert tokens == ref
     caps = stats.caps[1:]
     assert 0 in caps[:60]  # wrong drafts: parked early on
     assert not ctrl.state.parked and caps[-20:-1].count(0) == 0  # right drafts: speculating again
-    assert max(caps[-20:]) > M.PROBE_CAP
+    assert max(caps[-20:]) > CC.PROBE_CAP
 
 
 def test_a_cheap_draft_ends_a_parked_plain_run_for_a_probe(eng):
@@ -374,7 +375,7 @@ def test_a_cheap_draft_ends_a_parked_plain_run_for_a_probe(eng):
 
     drafter = CopyLater(ref, right_from=120)  # wrong drafts before token 120, right (and cheap) after
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.1, draft=3.0)
-    ctrl = M.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
+    ctrl = CC.CapController(optimistic_cal(), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock, n=240)
     assert tokens == ref
     pos, starts = 0, []
@@ -461,7 +462,7 @@ def test_a_drafter_with_nothing_to_propose_gets_pipelined_plain_steps_not_rounds
     stretches = [range(40, 60), range(100, 120)]
     drafter = Stretches(ref, stretches)
     clock = CostClock(eng.target, drafter, step=1.0, verify=lambda w: 1.4, draft=0.02)
-    ctrl = M.CapController(M.Calibration.synthetic(lambda w: 1.4, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
+    ctrl = CC.CapController(M.Calibration.synthetic(lambda w: 1.4, 8, plain_ms=1.0), drafter.max_draft, warm_plain=3)
     tokens, stats = run_auto(eng, drafter, ctrl, clock)
     assert tokens == ref
     rounds = [(d, c) for (d, _), c in zip(stats.rounds[1:], stats.caps[1:]) if c > 0]
@@ -811,7 +812,7 @@ def test_calibration_traces_a_real_drafter_and_hands_it_the_cut(cache_dir, tmp_p
     assert "confidence cut" in C.format_report(cal)
 
 
-def drive_parked(ctrl: M.CapController, probe, steps: int = 400) -> list[int]:
+def drive_parked(ctrl: CC.CapController, probe, steps: int = 400) -> list[int]:
     """Feed a parked controller 1 ms plain steps and ``probe(cap) -> (drafted, accepted, s)``
     rounds until ``steps`` tokens; returns the plain steps before each probe."""
     gaps, run = [], 0
@@ -838,8 +839,8 @@ def test_a_losing_probe_never_unparks_on_the_curves_word(probe):
     """Curves that promise speculation pays (as a GPU calibration did, 1.4x predicted for
     rounds that lost) must not unpark a controller whose probes lose: rejected ones, or ones
     the drafter itself cut short (a 1-token draft, accepted, at 3 plain steps' cost)."""
-    state = M.LearnedState(parked=True, rounds=20)
-    ctrl = M.CapController(optimistic_cal(), 8, state=state)
+    state = CC.LearnedState(parked=True, rounds=20)
+    ctrl = CC.CapController(optimistic_cal(), 8, state=state)
     def probe_while_parked(cap: int):
         assert state.parked  # never unparked by an earlier probe
         return probe(cap)
@@ -853,8 +854,8 @@ def test_one_probe_that_holds_and_beats_plain_steps_unparks_at_once():
     rate than plain steps unparks at once, whatever the failed probes before it said."""
     stale = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # curves that say rounds lose
     # failed probes (1 token per 10 ms) and plain steps (1 ms) on record
-    state = M.LearnedState(parked=True, rounds=20, probes=[3.3, 3.3, 33.0], plain=[50.0, 50.0])
-    ctrl = M.CapController(stale, 8, state=state)
+    state = CC.LearnedState(parked=True, rounds=20, probes=[3.3, 3.3, 33.0], plain=[50.0, 50.0])
+    ctrl = CC.CapController(stale, 8, state=state)
     assert ctrl.cap() > 0  # a parked request starts with a probe
     ctrl.observe(3, 0, 0.003)  # rejected
     assert state.parked
@@ -872,23 +873,23 @@ def test_probes_back_off_only_when_they_cost_more_than_a_plain_step(drafted):
     """A probe that cost a drafter's call and committed one token (DSpark on a GPU: 2-2.7 plain
     steps, drafting nothing or drafting wrong) backs off; an n-gram lookup that found nothing or
     guessed wrong (about a plain step and a sync) costs too little to wait for."""
-    costly = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
+    costly = CC.CapController(optimistic_cal(), 8, state=CC.LearnedState(parked=True, rounds=20))
     gaps = drive_parked(costly, lambda cap: (min(drafted, cap), 0, 0.003))
     assert gaps[0] == 0  # a parked start probes at once
-    assert all(g >= 2 ** i * M.PROBE_GAP for i, g in enumerate(gaps[1:4], 1))  # doubling ...
-    assert gaps[1] >= 0.5 * 2 / M.PROBE_BUDGET  # ... and the budget: half the first probe's 2-step loss
-    cheap = M.CapController(optimistic_cal(), 8, state=M.LearnedState(parked=True, rounds=20))
+    assert all(g >= 2 ** i * CC.PROBE_GAP for i, g in enumerate(gaps[1:4], 1))  # doubling ...
+    assert gaps[1] >= 0.5 * 2 / CC.PROBE_BUDGET  # ... and the budget: half the first probe's 2-step loss
+    cheap = CC.CapController(optimistic_cal(), 8, state=CC.LearnedState(parked=True, rounds=20))
     gaps = drive_parked(cheap, lambda cap: (min(drafted, cap), 0, 0.0011))
     # nearly free (0.1 plain steps lost a probe): no doubling, as often as the budget allows
-    assert set(gaps[1:]) == {max(M.PROBE_GAP, round(0.1 / M.PROBE_BUDGET))}
+    assert set(gaps[1:]) == {max(CC.PROBE_GAP, round(0.1 / CC.PROBE_BUDGET))}
 
 
 def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes():
     cal = M.Calibration.synthetic(lambda w: 50.0 * w, 8)  # stale curves: every round loses
-    state = M.LearnedState(parked=True, probe_gap=M.MAX_PROBE_GAP)  # parked by earlier requests
+    state = CC.LearnedState(parked=True, probe_gap=CC.MAX_PROBE_GAP)  # parked by earlier requests
     state.shrink()
-    assert state.probe_gap == M.NEW_REQUEST_GAP > M.PROBE_GAP  # not reset: failed probes stay rare
-    ctrl = M.CapController(cal, 8, state=state, warm_plain=3)
+    assert state.probe_gap == CC.NEW_REQUEST_GAP > CC.PROBE_GAP  # not reset: failed probes stay rare
+    ctrl = CC.CapController(cal, 8, state=state, warm_plain=3)
     caps = []
     for _ in range(12):
         cap = ctrl.cap()
@@ -897,7 +898,7 @@ def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes(
         ctrl.observe(k, k, (0.02 if k else 0.05))  # rounds really take 20 ms for k + 1 tokens, steps 50 ms
     assert caps[:3] == [0, 0, 0] and caps[3] > 0  # the first probe right after the warm steps
     assert not ctrl.state.parked  # realized probes beat plain steps, whatever the stale curves say
-    seeded = M.CapController(cal, 8, state=M.LearnedState(parked=True), seeded=True)
+    seeded = CC.CapController(cal, 8, state=CC.LearnedState(parked=True), seeded=True)
     for _ in range(40):
         k = seeded.cap()
         seeded.observe(k, k, 0.001)
@@ -911,10 +912,10 @@ def test_plain_steps_are_timed_without_a_run_first_and_last_step(run_ms):
     GPU the first fills the pipeline. Either way the plain step is the middle steps' 1 ms:
     counting the last would price plain steps at half their cost and park a winning drafter."""
     cal = M.Calibration.synthetic(lambda w: 1.0, 8, plain_ms=1.0)
-    state = M.LearnedState()
+    state = CC.LearnedState()
     for _ in range(5):  # five requests (a controller each, the state carried over): warm steps, a round
         state.shrink()
-        ctrl = M.CapController(cal, 8, state=state, warm_plain=4)
+        ctrl = CC.CapController(cal, 8, state=state, warm_plain=4)
         assert ctrl.cap() == 0 and ctrl.plain_run() == 4
         for ms in run_ms:
             ctrl.observe(0, 0, ms / 1000.0)

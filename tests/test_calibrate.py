@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 
 from engine import calibrate as C
+from engine import cap_controller as CC
 from engine import cost_model as M
 from engine.drafters.lookup import LookupDrafter
 from tests.tiny import make_tiny_engine
@@ -300,7 +301,7 @@ def bernoulli_accepts(rng: random.Random, p: float, k: int) -> int:
     return n
 
 
-def simulate(ctrl: M.CapController, rng: random.Random, p: float, rounds: int, natural=None, true_cal=None,
+def simulate(ctrl: CC.CapController, rng: random.Random, p: float, rounds: int, natural=None, true_cal=None,
              noise: float = 0.05) -> list[int]:
     """Drive the controller like the verify loop: cap() then observe(drafted, accepted, s),
     the round taking what ``true_cal`` (default: the calibration itself) says, with noise."""
@@ -317,25 +318,25 @@ def simulate(ctrl: M.CapController, rng: random.Random, p: float, rounds: int, n
 
 def test_acceptance_estimate_is_censored_at_full_acceptance():
     cal = syn(lambda w: 50.0)
-    full, partial, none = (M.CapController(cal) for _ in range(3))
+    full, partial, none = (CC.CapController(cal) for _ in range(3))
     for c in (full, partial, none):
         c.cap()
     full.observe(4, 4, 0.1)
     partial.observe(4, 3, 0.1)
     none.observe(0, 0, 0.1)  # no draft: nothing learned about acceptance
-    assert none.p == M.PRIOR_P
+    assert none.p == CC.PRIOR_P
     assert full.p > partial.p
-    assert partial.p < M.PRIOR_P + 3 * (1 - M.PRIOR_P)  # the rejection pulled it down
-    always = M.CapController(syn(lambda w: 50.0))
+    assert partial.p < CC.PRIOR_P + 3 * (1 - CC.PRIOR_P)  # the rejection pulled it down
+    always = CC.CapController(syn(lambda w: 50.0))
     simulate(always, random.Random(0), 1.0, 200)
     assert always.p > 0.97  # never a rejection: the estimate only rises
 
 
 def test_controller_converges_to_the_optimum_for_the_true_acceptance():
     cal = syn(lambda w: 50.0, draft=lambda c: 10.0 * c)
-    ctrl = M.CapController(cal)
+    ctrl = CC.CapController(cal)
     start = ctrl.cap()
-    assert start == M.best_cap(cal, M.PRIOR_P, allow_park=False)
+    assert start == M.best_cap(cal, CC.PRIOR_P, allow_park=False)
     simulate(ctrl, random.Random(1), 0.92, 400)
     optimum = M.best_cap(cal, 0.92)
     assert optimum != start
@@ -346,32 +347,32 @@ def test_controller_converges_to_the_optimum_for_the_true_acceptance():
 
 def test_controller_parks_when_speculation_loses_and_probes():
     cal = syn(lambda w: 50.0 * w)
-    ctrl = M.CapController(cal)
+    ctrl = CC.CapController(cal)
     caps = simulate(ctrl, random.Random(2), 0.3, 200)
     first_park = caps.index(0)
     assert 0 < first_park <= ctrl.min_rounds + ctrl.repick_every  # the rounds lost: parked within a few
     tail = caps[-100:]
     assert tail.count(0) >= 95  # probes are rare once they keep failing
     probes = [c for c in caps[first_park:] if c]
-    assert probes and all(1 <= c <= M.PROBE_CAP for c in probes)
-    young = M.CapController(cal, seeded=True)  # no live timings: parks on the model alone, once it has evidence
+    assert probes and all(1 <= c <= CC.PROBE_CAP for c in probes)
+    young = CC.CapController(cal, seeded=True)  # no live timings: parks on the model alone, once it has evidence
     caps = simulate(young, random.Random(2), 0.3, 200)
     assert all(c > 0 for c in caps[: young.park_after]) and caps[-50:].count(0) >= 45
 
 
 def test_controller_unparks_when_acceptance_recovers():
     cal = syn(lambda w: 50.0 if w == 1 else 100.0)
-    ctrl = M.CapController(cal)
+    ctrl = CC.CapController(cal)
     rng = random.Random(3)
     simulate(ctrl, rng, 0.15, 200)
     assert ctrl.state.parked
     caps = simulate(ctrl, rng, 0.97, 300)
-    assert not ctrl.state.parked and caps[-1] > M.PROBE_CAP
+    assert not ctrl.state.parked and caps[-1] > CC.PROBE_CAP
 
 
 def test_controller_learns_variable_draft_lengths():
     cal = syn(lambda w: 50.0 + 2.0 * w)
-    ctrl = M.CapController(cal)
+    ctrl = CC.CapController(cal)
     natural = lambda rng: 0 if rng.random() < 0.5 else 6  # lookup: a miss, or a 6-token match
     simulate(ctrl, random.Random(4), 0.9, 300, natural)
     surv = ctrl.survival()
@@ -388,7 +389,7 @@ def test_controller_corrects_the_curve_from_observed_round_times():
     best_true = M.rate(true, M.best_cap(true, 0.9, survival=surv), 0.9, surv)
     stale = M.best_cap(calibrated, 0.9, survival=surv)
     assert M.rate(true, stale, 0.9, surv) < 0.85 * best_true  # trusting the curve would cost >15%
-    ctrl = M.CapController(calibrated)
+    ctrl = CC.CapController(calibrated)
     simulate(ctrl, random.Random(6), 0.9, 400, natural, true_cal=true)
     c0, c1 = ctrl.cost_fit()
     assert c0 == pytest.approx(48.0, rel=0.1) and c1 == pytest.approx(0.08, abs=0.05)
@@ -397,7 +398,7 @@ def test_controller_corrects_the_curve_from_observed_round_times():
 
 def test_contention_bursts_do_not_bend_the_fit():
     cal = syn(lambda w: 50.0 + 5.0 * w)
-    ctrl = M.CapController(cal)
+    ctrl = CC.CapController(cal)
     rng = random.Random(7)
     for i in range(300):
         cap = ctrl.cap()

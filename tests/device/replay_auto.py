@@ -16,7 +16,7 @@ so many prompts and many controller settings can be compared in seconds:
     python3 tests/device/replay_auto.py replay /tmp/traces.json.gz --fixed 7 \\
         --set PROBE_GAP=8 --set controller.min_rounds=12
 
-``--set NAME=VALUE`` overrides a constant of ``engine.cost_model`` (``PROBE_GAP``); with
+``--set NAME=VALUE`` overrides a constant of ``engine.cap_controller`` (``PROBE_GAP``); with
 ``controller.`` a ``CapController`` keyword (``controller.hysteresis=1.05``).
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import engine  # noqa: E402,F401  (preloads BLAS)
+from engine import cap_controller as CC  # noqa: E402
 from engine import cost_model as M  # noqa: E402
 from engine.calibrate import WARM_PLAIN  # noqa: E402
 from engine.drafters.dspark import keep_count  # noqa: E402
@@ -188,10 +189,10 @@ def _set(overrides: list[str]) -> dict:
         number = int(number) if number.is_integer() and "." not in value else number
         if name.startswith("controller."):
             kwargs[name.split(".", 1)[1]] = number
-        elif hasattr(M, name):
-            setattr(M, name, number)
+        elif hasattr(CC, name):
+            setattr(CC, name, number)
         else:
-            raise SystemExit(f"no constant {name} in engine.cost_model")
+            raise SystemExit(f"no constant {name} in engine.cap_controller")
     return kwargs
 
 
@@ -223,10 +224,10 @@ def replay(args) -> int:
             for trace in traces:
                 if arm == "auto":
                     if state is None:
-                        state = M.LearnedState()
+                        state = CC.LearnedState()
                     else:  # as engine.calibrate.auto_cap_policy carries state between requests
                         state.shrink()
-                    policy = M.CapController(cal, data["max_draft"], state=state, warm_plain=WARM_PLAIN, **kwargs)
+                    policy = CC.CapController(cal, data["max_draft"], state=state, warm_plain=WARM_PLAIN, **kwargs)
                 else:
                     policy = FixedCap(int(arm))
                 costs = args

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import engine  # noqa: E402,F401  (preloads BLAS)
+from engine import cap_controller as CC  # noqa: E402
 from engine import cost_model as M  # noqa: E402
 from engine.calibrate import WARM_PLAIN  # noqa: E402
 from engine.sampling import Sampler, SamplingParams  # noqa: E402
@@ -128,10 +129,10 @@ def main() -> int:
                 for arm in arms:
                     if arm == "auto":  # as engine.calibrate.auto_cap_policy carries state between requests
                         if state is None:
-                            state = M.LearnedState()
+                            state = CC.LearnedState()
                         else:
                             state.shrink()
-                        policy = M.CapController(cal, drafter.max_draft, state=state, warm_plain=WARM_PLAIN)
+                        policy = CC.CapController(cal, drafter.max_draft, state=state, warm_plain=WARM_PLAIN)
                     else:
                         policy = FixedCap(args.fixed)
                     clock = ModeledClock(eng.target, drafter, step=args.step, sync=args.sync,
