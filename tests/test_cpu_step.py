@@ -89,6 +89,30 @@ def test_compiled_path_runs_only_inside_small_forwards():
         compiled._rms_norm = original
 
 
+def test_a_forward_computes_the_rope_angles_once_for_all_layers(monkeypatch):
+    target = Target(make_tiny_model("llama", seed=9))
+    ropes, rotations = [], []
+    real_rope, real_rotate = compiled._rope, compiled._rotate_compiled
+    monkeypatch.setattr(compiled, "_rope", lambda *a: ropes.append(a) or real_rope(*a))
+    monkeypatch.setattr(compiled, "_rotate_compiled", lambda *a: rotations.append(a[0].shape) or real_rotate(*a))
+    cache = target.new_cache()
+    target.prefill([3, 9, 4, 17], cache)
+    for width in (1, 3):
+        ropes.clear(), rotations.clear()
+        target.forward(mx.array([[5] * width]), cache)
+        assert len(ropes) == 1  # the angles, once: every layer's q and k are rotated by them
+        assert len(rotations) == 2 * target.num_layers and all(shape[-2] == width for shape in rotations)
+
+
+def test_a_rope_over_part_of_the_head_keeps_its_own_compiled_path():
+    model = make_tiny_model("llama", seed=10)
+    for layer in model.model.layers:
+        layer.self_attn.rope.dims //= 2  # before the Target: its probe checks this model
+    target = Target(model)
+    assert compiled.describe(model).get("CompiledRoPE") == target.num_layers
+    assert_compiled_equals_plain(target, [3, 9, 4, 17, 4, 9, 3], steps=6)
+
+
 def test_a_compile_that_changes_the_logits_is_refused(monkeypatch):
     monkeypatch.setattr(compiled, "_rms_norm", lambda eps: mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps) * 1.001))
     model = make_tiny_model("llama", seed=7)
