@@ -5,6 +5,12 @@ Qt queues to the GUI thread. Daemon threads, not QThreads: a QThread still runni
 object dies aborts the process, and a network call cannot be interrupted, so closing the app
 would have to wait for it; a daemon thread is simply abandoned at exit. MLX work never goes
 here: it belongs to the one engine thread (app.worker).
+
+A Job is a QObject of the GUI thread, and Qt must not destroy one from another thread while
+events for it wait: a view that drops its job as the result arrives (a new search, an eviction
+after its size) used to leave the thread's own reference last, so the object died on that
+thread and the GUI thread crashed delivering ``finished``. Jobs stay in ``_LIVE`` until
+``finished`` reaches the GUI thread and the thread has ended; only then can the last reference go.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any, Callable, Optional
 from PySide6.QtCore import QObject, Signal
 
 from engine.errors import TandemError
+
+_LIVE: set["Job"] = set()  # started jobs whose ``finished`` the GUI thread has not handled yet
 
 
 def one_line(err: BaseException) -> str:
@@ -52,6 +60,7 @@ class Job(QObject):
         self.finished.connect(self._on_finished)  # queued: runs once the result has been delivered
 
     def start(self) -> "Job":
+        _LIVE.add(self)
         self.thread.start()
         return self
 
@@ -65,6 +74,9 @@ class Job(QObject):
 
     def _on_finished(self) -> None:
         self._reported = True
+        self.thread.join()  # emitting finished was its last act: it is ending, and then holds no reference
+        self.fn, self.args, self.kwargs = None, (), {}  # the progress callback refers back to this job
+        _LIVE.discard(self)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Join the thread (tests, shutdown); True when it ended."""
@@ -82,7 +94,7 @@ class Job(QObject):
         try:
             result = self.fn(*self.args, **self.kwargs)
         except Exception as err:  # never let a thread die silently
-            self.error = err
+            self.error = err.with_traceback(None)  # its frames hold this job: no cycle for a thread's gc to free
             self._emit(self.failed, one_line(err))
         else:
             self._emit(self.succeeded, result)
