@@ -7,10 +7,11 @@ would have to wait for it; a daemon thread is simply abandoned at exit. MLX work
 here: it belongs to the one engine thread (app.worker).
 
 A Job is a QObject of the GUI thread, and Qt must not destroy one from another thread while
-events for it wait: a view that drops its job as the result arrives (a new search, an eviction
-after its size) used to leave the thread's own reference last, so the object died on that
-thread and the GUI thread crashed delivering ``finished``. Jobs stay in ``_LIVE`` until
-``finished`` reaches the GUI thread and the thread has ended; only then can the last reference go.
+events for it wait. A view that drops its job as the result arrives (a new search, an eviction
+after its size) left the thread's own reference last, so the object could die on that thread;
+a failed job's traceback and a controlled job's progress callback made cycles that any
+thread's garbage collector could free. Started jobs stay in ``_LIVE`` until ``finished`` reaches
+the GUI thread and the thread has ended, and then let go of those references there.
 """
 
 from __future__ import annotations

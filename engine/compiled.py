@@ -13,8 +13,9 @@ Every layer's rope rotates by the same angles (the forward's positions), so a fo
 them once: the rope itself applied to a unit vector gives its own cos and sin, bit for bit
 (``1*cos - 0*sin``), and each layer then runs one compiled rotation, ``x*(cos, cos) +
 (x2, x1)*(-sin, sin)``, the fallback's products and sums in another order that IEEE makes exact
-(``a - b`` is ``a + (-b)``; sums commute). That took ~2.5 of a starter step's ~37 ms. Ropes over
-part of the head, interleaved ones and array offsets keep the per-layer compiled rope.
+(``a - b`` is ``a + (-b)``; sums commute). Computing the angles in every layer took ~2.5 ms of a
+starter step's ~37. Ropes over part of the head, interleaved ones and array offsets keep the
+per-layer compiled rope.
 
 The modules are switched in place (their class becomes a subclass whose ``__call__`` takes the
 compiled path while the target's switch is on), so parameter names, taps and drafters that
