@@ -1,6 +1,6 @@
 """app.background.Job: the result reaches the GUI thread, and the Job object dies there, whichever
 side lets go of it last (Qt must not destroy a GUI-thread object from another thread while events
-for it wait: that crashed the Models view's eviction under load)."""
+for it wait; the full suite once crashed in the Models view's eviction, under load)."""
 
 from __future__ import annotations
 
