@@ -179,22 +179,32 @@ def step_anatomy(target, chat: list[int], args, configure) -> None:
 
 def timed_forwards(eng, args, widths: tuple[int, ...], arms: dict[str, Callable[[], None]]) -> tuple[dict, int]:
     """One forward of W rows on a warm cache at ``--context`` tokens, per arm (its setup called
-    first), interleaved over ``max(5, --repeats)`` repeats: ({(W, arm): [seconds]}, context)."""
+    first), interleaved over ``max(5, --repeats)`` repeats: ({(W, arm): [seconds]}, context).
+
+    Each timed forward follows an untimed one of the same width and arm: the first forward after
+    a switch otherwise pays for the last arm's threads (OpenBLAS's spin on after its gemm, against
+    the skinny pool) and, once per width, for tracing the compiled pieces."""
     target = eng.target
     long_prompt = eng.encode(CHAT * (1 + args.context // 12))[-args.context:]
     cache = target.new_cache()
     target.prefill(long_prompt, cache)
     times: dict[tuple[int, str], list[float]] = {}
+
+    def forward(ids: mx.array, w: int) -> float:
+        t0 = time.perf_counter()
+        logits, _, txn = target.verify(ids, cache)
+        mx.eval(logits)
+        elapsed = time.perf_counter() - t0
+        txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+        return elapsed
+
     for rep in range(max(5, args.repeats)):
         for w in widths:
             ids = mx.array([long_prompt[-w:]], dtype=mx.uint32)
             for arm, setup in arms.items():
                 setup()
-                t0 = time.perf_counter()
-                logits, _, txn = target.verify(ids, cache)
-                mx.eval(logits)
-                times.setdefault((w, arm), []).append(time.perf_counter() - t0)
-                txn.commit(1 if w == 1 else 0)  # a one-row forward keeps its row (context grows by a few)
+                forward(ids, w)
+                times.setdefault((w, arm), []).append(forward(ids, w))
     return times, len(long_prompt)
 
 
