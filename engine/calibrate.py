@@ -43,6 +43,7 @@ from engine.cap_controller import CapController, LearnedState
 from engine.cost_model import CONTEXT, STATIC_P, Calibration, best_cap, rate, static_cap
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
+from engine.paths import cache_root, read_json, write_json_atomic
 from engine.protocols import EngineLike
 
 SCHEMA = 3  # 3: plain steps timed at the curve's context
@@ -189,14 +190,10 @@ def calibration_key(engine: EngineLike, mode: str, drafter: Drafter, context: in
 
 
 def cache_path() -> Path:
-    from engine.paths import cache_root
-
     return cache_root() / "calibration.json"
 
 
 def _read_cache() -> dict:
-    from engine.paths import read_json
-
     data = read_json(cache_path())
     return data if data.get("schema") == SCHEMA else {}
 
@@ -215,8 +212,6 @@ def load_cached(key: str) -> Calibration | None:
 
 def save(cal: Calibration) -> Path:
     """Merge into the cache file, written atomically (temp file + rename)."""
-    from engine.paths import write_json_atomic
-
     path = cache_path()
     data = _read_cache() or {"schema": SCHEMA, "entries": {}}
     data.setdefault("entries", {})[cal.key] = cal.to_dict()

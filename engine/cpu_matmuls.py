@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten
 from engine import platform
 from engine.calibrate import measure_verify, model_precision, shape_signature, synthetic_prompt
 from engine.errors import TandemError
+from engine.paths import cache_root, read_json, write_json_atomic
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import DecodeStats, FixedCap, decode
 
@@ -153,20 +154,14 @@ def forced_choice() -> str:
 
 
 def _path():
-    from engine.paths import cache_root
-
     return cache_root() / CACHE_FILE
 
 
 def _read() -> dict:
-    from engine.paths import read_json
-
     return read_json(_path())  # missing or damaged: measured again, never fatal
 
 
 def _write(key: str, choice: Choice) -> None:
-    from engine.paths import write_json_atomic
-
     current = f"|{_kernel_tag()}|"
     data = {k: v for k, v in _read().items() if current in k}  # an older kernel's records are never read again
     record = asdict(choice)
