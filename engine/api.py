@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from engine.errors import TandemError
 from engine.generate import Chunk, Engine, GenerationResult, Prompt
@@ -52,6 +52,19 @@ def generate(engine: Engine, prompt: Prompt, **kwargs: Any) -> GenerationResult:
 
 def stream(engine: Engine, prompt: Prompt, **kwargs: Any) -> Iterator[Chunk]:
     return engine.stream(prompt, **kwargs)
+
+
+def generate_batch(engine: Engine, prompts: Sequence[Prompt], *, max_batch: int | None = None,
+                   **kwargs: Any) -> list[GenerationResult]:
+    """Generate for several prompts together (continuous batching: up to ``max_batch`` share
+    each target forward, the next joining as one finishes); results in the prompts' order.
+    Each is the result its prompt gets alone. ``kwargs``: as for ``generate``, for every prompt."""
+    from engine.batching import DEFAULT_MAX_BATCH, Batcher
+
+    batcher = Batcher(engine, max_batch or DEFAULT_MAX_BATCH)
+    tickets = [batcher.submit(p, **kwargs) for p in prompts]
+    batcher.run()
+    return [t.result for t in tickets]
 
 
 class Session:

@@ -45,6 +45,7 @@ class GenerationResult:
     note: str | None = None  # why --mode auto ran baseline, when it had to
     caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    batch_width: int = 1  # the most requests it shared a target forward with (itself included)
 
     @property
     def generated(self) -> int:
@@ -94,7 +95,7 @@ class GenerationResult:
             "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
             "accept_per_round": round(self.mean_accepted, 3), "drafted": self.drafted, "accepted": self.accepted,
             "target_forwards": self.target_forwards, "finish_reason": self.finish_reason, "note": self.note,
-            "cached_tokens": self.cached_tokens,
+            "cached_tokens": self.cached_tokens, "batch_width": self.batch_width,
         }
 
 
@@ -106,6 +107,86 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     event: RoundEvent | None = None
     result: GenerationResult | None = None
+
+
+@dataclass
+class RequestPlan:
+    """One request resolved: what the loop needs to decode it (``Engine.plan``)."""
+
+    prompt_ids: list[int]
+    mode: str
+    drafter: Drafter | None
+    sampler: Sampler
+    cap_policy: CapPolicy
+    cap_label: int | str
+    max_new_tokens: int
+    note: str | None = None  # why --mode auto ran baseline, when it had to
+    stop: tuple[str, ...] = ()
+    store: PrefixCache | None = None  # the prefix cache to restore from and keep into
+
+
+class RequestOutput:
+    """Turns one request's committed tokens into chunks of text: streaming detokenization, stop
+    strings, timings, and the ``GenerationResult`` at the end. The loop pushes each round in
+    (``feed``); the single-sequence stream and the batch share it."""
+
+    def __init__(self, engine: "Engine", plan: RequestPlan, *, on_round: Callable[[RoundEvent], None] | None = None,
+                 stats: DecodeStats | None = None):
+        self.engine, self.plan, self.on_round = engine, plan, on_round
+        self.stats = stats if stats is not None else DecodeStats()
+        self.eos = list(getattr(engine.tokenizer, "eos_token_ids", None) or [])
+        self.detok = StreamingDetokenizer(engine.tokenizer)
+        self.stops = StopMatcher(plan.stop)
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.stopped = False
+        self.batch_width = 1  # the most rows it shared a forward with (itself included)
+        store = plan.store
+        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.prompt_ids) if store is not None else None
+
+    def feed(self, new: list[int], event: RoundEvent) -> tuple[list[Chunk], bool]:
+        """One round's tokens -> its chunk; True when a stop string ended the request."""
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+        self.tokens.extend(new)
+        self.times.extend([now - self.t0] * len(new))
+        if self.on_round is not None:
+            self.on_round(event)
+        text, self.stopped = self.stops.feed(self.detok.add(new))
+        if self.stopped:
+            self.stats.finish_reason = "stop"
+            self.tokens = self.engine._tokens_before_stop(self.tokens, self.detok.text, self.plan.stop)
+            self.times = self.times[: len(self.tokens)]
+        return [Chunk(text, new, event)], self.stopped
+
+    def remember(self, drafter: Drafter | None) -> None:
+        """Keep what the target's caches hold for the prefix cache (after the last round)."""
+        if self.prefix_plan is not None:
+            self.engine._remember(self.plan.store, self.prefix_plan, self.stats, drafter)
+
+    def finish(self) -> Iterator[Chunk]:
+        """The text held back by stop-string matching, then the result; writes the disk tier."""
+        plan, stats = self.plan, self.stats
+        if not self.stopped:
+            text, _ = self.stops.feed(self.detok.flush())
+            tail = text + self.stops.flush()
+            if tail:
+                yield Chunk(tail)
+        end = time.perf_counter()
+        decode_s = end - self.t_first if self.t_first is not None else 0.0
+        full_text = self.engine._final_text(self.tokens)
+        if self.stopped:
+            full_text = _cut_at_stop(self.detok.text, plan.stop)
+        yield Chunk(result=GenerationResult(
+            text=full_text, token_ids=self.tokens, mode=plan.mode, prompt_tokens=len(plan.prompt_ids),
+            rounds=stats.rounds, prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
+            finish_reason=stats.finish_reason, cap=plan.cap_label, token_times=self.times, note=plan.note,
+            caps=stats.caps, cached_tokens=stats.cached_tokens, batch_width=self.batch_width))
+        if plan.store is not None:
+            plan.store.flush()  # the disk tier's write, once the reply is out
 
 
 class Engine:
@@ -216,7 +297,7 @@ class Engine:
         return modes.mode_support(self, MODES)
 
     # -- generation -------------------------------------------------------------------------
-    def stream(
+    def plan(
         self,
         prompt: Prompt,
         *,
@@ -231,11 +312,11 @@ class Engine:
         chat_template: bool = True,
         system: str | None = None,
         cap_policy: CapPolicy | None = None,
-        on_round: Callable[[RoundEvent], None] | None = None,
-        cancel: Callable[[], bool] | None = None,
-        prefill_progress: Callable[[int, int], None] | None = None,
         prefix_cache: bool = True,
-    ) -> Iterator[Chunk]:
+    ) -> "RequestPlan":
+        """Resolve a request once into what decoding it takes: the prompt's ids, the mode, the
+        drafter, the cap policy and the sampler. A bad setting raises ``TandemError`` here,
+        before any decoding."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
@@ -255,61 +336,40 @@ class Engine:
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
         else:
             cap_label = getattr(cap_policy, "label", "custom")
-        stats = DecodeStats()
-        detok = StreamingDetokenizer(self.tokenizer)
-        stops = StopMatcher(stop)
-        tokens: list[int] = []
-        times: list[float] = []
-        t0 = time.perf_counter()
-        t_first = None
-        eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
-        store = self.prefix_cache if prefix_cache else None
-        plan = store.plan(self.target, drafter, prompt_ids) if store is not None else None
-        steps = decode(self.target, drafter, prompt_ids, sampler, max_new_tokens=max_new_tokens, eos_ids=eos,
-                       cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress,
-                       resume=plan.resume if plan else None, on_prefill=plan.on_prefill if plan else None)
-        stopped = False
+        return RequestPlan(prompt_ids=prompt_ids, mode=mode, drafter=drafter, sampler=sampler,
+                           cap_policy=cap_policy, cap_label=cap_label, note=note, max_new_tokens=max_new_tokens,
+                           stop=tuple(stop), store=self.prefix_cache if prefix_cache else None)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        on_round: Callable[[RoundEvent], None] | None = None,
+        cancel: Callable[[], bool] | None = None,
+        prefill_progress: Callable[[int, int], None] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[Chunk]:
+        """Stream one request's chunks (``plan``'s keyword arguments); the last carries the result."""
+        plan = self.plan(prompt, **kwargs)
+        out = RequestOutput(self, plan, on_round=on_round)
+        prefix = out.prefix_plan
+        steps = decode(self.target, plan.drafter, plan.prompt_ids, plan.sampler, max_new_tokens=plan.max_new_tokens,
+                       eos_ids=out.eos, cap_policy=plan.cap_policy, stats=out.stats, mode=plan.mode,
+                       prefill_progress=prefill_progress, resume=prefix.resume if prefix else None,
+                       on_prefill=prefix.on_prefill if prefix else None)
         try:
             for new, event in steps:
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                tokens.extend(new)
-                times.extend([now - t0] * len(new))
-                if on_round is not None:
-                    on_round(event)
-                text, stopped = stops.feed(detok.add(new))
-                if stopped:
-                    stats.finish_reason = "stop"
-                    tokens = self._tokens_before_stop(tokens, detok.text, stop)
-                    times = times[: len(tokens)]
-                yield Chunk(text, new, event)
-                if stopped:
+                chunks, ended = out.feed(new, event)
+                yield from chunks
+                if ended:
                     break
                 if cancel is not None and cancel():
-                    stats.finish_reason = "cancelled"
+                    out.stats.finish_reason = "cancelled"
                     break
         finally:
             steps.close()
-            if plan is not None:  # also after a cancelled prefill: the chunks done are kept
-                self._remember(store, plan, stats, drafter)
-        if not stopped:
-            text, _ = stops.feed(detok.flush())
-            tail = text + stops.flush()
-            if tail:
-                yield Chunk(tail)
-        end = time.perf_counter()
-        decode_s = end - t_first if t_first is not None else 0.0
-        full_text = self._final_text(tokens)
-        if stopped:
-            full_text = _cut_at_stop(detok.text, stop)
-        yield Chunk(result=GenerationResult(
-            text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
-            prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
-            finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps,
-            cached_tokens=stats.cached_tokens))
-        if store is not None:
-            store.flush()  # the disk tier's write, once the reply is out
+            out.remember(plan.drafter)  # also after a cancelled prefill: the chunks done are kept
+        yield from out.finish()
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         result = None

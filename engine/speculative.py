@@ -188,16 +188,10 @@ def decode(
     def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by=""):
         """Apply EOS / length stops to a committed block; return (tokens, event, done)."""
         nonlocal generated
-        done = False
-        out = []
-        for tok in tokens:
-            if tok in eos:
-                stats.finish_reason, done = "stop", True
-                break
-            out.append(tok)
-            if generated + len(out) >= max_new_tokens:
-                stats.finish_reason, done = "length", True
-                break
+        out, reason = stop_block(tokens, eos, generated, max_new_tokens)
+        done = reason is not None
+        if done:
+            stats.finish_reason = reason
         generated += len(out)
         stats.rounds.append((drafted, accepted))
         stats.caps.append(cap)
@@ -284,6 +278,20 @@ def decode(
         yield out, event
         if done:
             return
+
+
+def stop_block(tokens: Sequence[int], eos: Sequence[int] | set[int], generated: int, max_new_tokens: int
+               ) -> tuple[list[int], str | None]:
+    """A committed block cut at EOS (not kept) or at the token budget: (tokens to emit, finish
+    reason "stop" / "length", or None when the sequence goes on)."""
+    out: list[int] = []
+    for tok in tokens:
+        if tok in eos:
+            return out, "stop"
+        out.append(tok)
+        if generated + len(out) >= max_new_tokens:
+            return out, "length"
+    return out, None
 
 
 def _tell_catch_up(policy: CapPolicy, seconds: float) -> None:

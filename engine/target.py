@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import caches, compiled, cuda_skinny, recurrent
+from engine import batch_cache, caches, compiled, cuda_skinny, recurrent
 from engine.errors import TandemError
 from engine.platform import backend
 from engine.shapes import ShapePolicy, default_policy
@@ -344,6 +344,26 @@ class Target:
 
         Returns lazy (logits [L, V] or [1, V] when last_only, hidden [L, n_taps * H] or None).
         """
+        logits, hidden = self._run(ids, cache, last_only, tap)
+        return logits[0], None if hidden is None else hidden[0]
+
+    def forward_rows(self, ids: mx.array, row_caches: Sequence[list], *, tap: bool = False
+                     ) -> tuple[mx.array, mx.array | None]:
+        """One forward over B sequences at once: ``ids`` [B, L], row b appended to its own caches
+        ``row_caches[b]`` (engine/batch_cache.py; every layer's cache must batch). Returns lazy
+        (logits [B, L, V], hidden [B, L, n_taps * H] or None)."""
+        return self._run(ids, batch_cache.batch_view(row_caches), False, tap)
+
+    def verify_rows(self, ids: mx.array, row_caches: Sequence[list], *, tap: bool = False
+                    ) -> tuple[mx.array, mx.array | None, list[caches.Verify]]:
+        """``forward_rows`` inside one cache transaction per row: ``txns[b].commit(kept)`` keeps
+        row b's first ``kept`` rows (batched targets hold no recurrent state to rewind)."""
+        width = int(ids.shape[1])
+        txns = [caches.Verify(c, width) for c in row_caches]
+        logits, hidden = self.forward_rows(ids, row_caches, tap=tap)
+        return logits, hidden, txns
+
+    def _run(self, ids: mx.array, cache: list, last_only: bool, tap: bool) -> tuple[mx.array, mx.array | None]:
         self.forwards += 1
         self._sink.enabled = tap and bool(self.tap_layers)
         self._sink.outputs = {}
@@ -359,13 +379,13 @@ class Target:
                     logits = logits[:, -1:]
             hidden = None
             if self._sink.enabled:
-                hidden = mx.concatenate([self._sink.outputs[i] for i in self.tap_layers], axis=-1)[0]
+                hidden = mx.concatenate([self._sink.outputs[i] for i in self.tap_layers], axis=-1)
         finally:
             self._sink.enabled = False
             self._sink.outputs = {}
             self._switch.set(False)
             self._skinny.on = False
-        return logits[0], hidden
+        return logits, hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
                 progress: Any = None, offset: int = 0) -> tuple[mx.array, mx.array | None]:

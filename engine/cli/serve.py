@@ -15,7 +15,9 @@ from engine.errors import TandemError
 from engine.generate import MODES
 from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments,
                             check_prefix_cache_arguments, load_engine, parse_max_draft, warm_up)
+from engine.batching import DEFAULT_MAX_BATCH
 from engine.serve.server import ServerConfig, TandemServer
+from engine.serve.worker import DEFAULT_MAX_QUEUE
 
 
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -71,12 +73,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse prompts longer than this (default: the model's max_position_embeddings)")
     p.add_argument("--served-name", default=None, help="the model name /v1/models reports (default: the model's)")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while waiting")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help=f"requests decoding together, each speculating on its own (default {DEFAULT_MAX_BATCH}; "
+                        "1: one at a time)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help=f"requests waiting for the engine before new ones get 503 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise TandemError(f"--max-batch and --max-queue must be at least 1, got {args.max_batch} and {args.max_queue}")
     if args.default_max_tokens < 1:
         raise TandemError(f"--max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.seed is not None and not 0 <= args.seed < 2**64:
@@ -89,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(mode=args.mode, max_draft=args.max_draft, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
-                          allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin))
+                          allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
+                          max_batch=args.max_batch, max_queue=args.max_queue)
     server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C

@@ -14,6 +14,7 @@ prompt that shares those tokens. A drafter's state can only change its speed, ne
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -123,3 +124,16 @@ class Drafter:
         if self.tap_layers and cached:
             raise RuntimeError(f"{self.name} drafter cannot resume after a restored prefix without its state")
         self.begin(prompt_ids, hidden)
+
+    def fork(self) -> "Drafter":
+        """A drafter sharing this one's weights with a sequence state of its own, for one row of
+        a batch. Containers are copied (``begin`` may clear them in place), drafters inside it
+        (``LookupFirst``) forked, arrays and modules shared; ``begin``/``resume`` then reset the
+        state, as they do for every new sequence."""
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, Drafter):
+                setattr(twin, name, value.fork())
+            elif isinstance(value, (list, dict, set)):
+                setattr(twin, name, copy.copy(value))
+        return twin

@@ -173,6 +173,9 @@ class RequestHandler(BaseHTTPRequestHandler):
         log.info('"%s" %s', escape_log(self.requestline), code)
 
     def end_headers(self) -> None:
+        retry_after, self._retry_after = getattr(self, "_retry_after", None), None
+        if retry_after:
+            self.send_header("Retry-After", str(retry_after))
         if self._cors_origin:
             self.send_header("Access-Control-Allow-Origin", self._cors_origin)
             self.send_header("Vary", "Origin")
@@ -366,6 +369,7 @@ class RequestHandler(BaseHTTPRequestHandler):
         except ClientGone:
             self.close_connection = True
         except RequestError as e:
+            self._retry_after = getattr(e, "retry_after", None)  # a full queue: when to come back
             self._fail(e.status, str(e), kind=e.kind, param=e.param, code=e.code)
         except TandemError as e:
             self._fail(400, str(e))

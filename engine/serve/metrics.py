@@ -23,12 +23,13 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}
         self.totals = dict(prompt_tokens=0, cached_tokens=0, generated_tokens=0, prefill_seconds=0.0, decode_seconds=0.0,
                            drafted_tokens=0, accepted_tokens=0, rounds=0, target_forwards=0, generations=0,
-                           cancelled=0, errors=0, events_dropped=0)
+                           cancelled=0, errors=0, events_dropped=0, rejected=0)
         self.last: dict[str, float] = dict(decode_tok_s=0.0, prefill_tok_s=0.0, accept_per_round=0.0)
         self.latency = [0] * (len(_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.in_flight = 0
         self.queued = 0
+        self.batch_occupancy = 0  # requests sharing the engine's forwards now (continuous batching)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -48,6 +49,10 @@ class Metrics:
         with self._lock:
             for k, v in kw.items():
                 self.totals[k] += v
+
+    def set_gauge(self, name: str, value: int) -> None:
+        with self._lock:
+            setattr(self, name, value)
 
     def gauge(self, name: str, delta: int) -> None:
         with self._lock:
@@ -84,6 +89,10 @@ class Metrics:
                    [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
             metric("requests_in_flight", "gauge", "generation requests being answered", [("", self.in_flight)])
             metric("queue_depth", "gauge", "generation requests waiting for the engine", [("", self.queued)])
+            metric("batch_occupancy", "gauge", "requests decoding together in the engine's batch",
+                   [("", self.batch_occupancy)])
+            metric("requests_rejected_total", "counter", "requests refused with 503 because the queue was full",
+                   [("", t["rejected"])])
             metric("generations_total", "counter", "generations finished (any finish reason)", [("", t["generations"])])
             metric("generations_cancelled_total", "counter", "generations cancelled (client gone)", [("", t["cancelled"])])
             metric("generation_errors_total", "counter", "generations that failed", [("", t["errors"])])

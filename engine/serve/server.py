@@ -11,6 +11,10 @@ endpoints), ``worker`` (the one engine thread that owns every MLX call), ``metri
 counters, the /events hub), ``openai``/``anthropic`` (the dialects) and ``chat_format`` (prompt
 rendering and output parsing shared by both).
 
+* Concurrency: ``--max-batch N`` (``max_batch``) decodes up to N requests together, each
+  speculating on its own (engine/batching.py); a request joins a running batch after its own
+  chunked prefill and leaves it when it ends. ``x_tandem.batch_width`` says how many requests it
+  shared forwards with. A full queue (``--max-queue``) answers 503 with ``Retry-After``.
 * Cancellation: while relaying, the handler watches its socket and notices a write failure;
   either sets the request's cancel flag, which ``Engine.stream`` reads after every round and the
   prefill-progress hook reads between prefill chunks.
@@ -47,7 +51,7 @@ from engine.errors import TandemError
 from engine.serve.http import Access, HTTPServer
 from engine.serve.metrics import EventHub, Metrics
 from engine.serve.routes import Handler
-from engine.serve.worker import EngineWorker
+from engine.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker
 
 
 @dataclass
@@ -64,6 +68,8 @@ class ServerConfig:
     model_name: str | None = None  # None: the engine's name
     allow_hosts: tuple[str, ...] = ()  # Host names answered besides localhost and the bound address
     allow_origins: tuple[str, ...] = ()  # browser Origins served (with CORS headers); none by default
+    max_batch: int = 1  # requests decoding together (continuous batching); 1: one at a time
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond it get 503 with Retry-After
 
 
 def model_context(engine: Any) -> int | None:
@@ -93,7 +99,8 @@ class TandemServer:
         self.api_key = api_key or None
         self.metrics = Metrics()
         self.events = EventHub(self.metrics)
-        self.worker = EngineWorker(engine_factory, self.events, self.metrics)
+        self.worker = EngineWorker(engine_factory, self.events, self.metrics, max_batch=self.config.max_batch,
+                                   max_queue=self.config.max_queue)
         self.tokenizer_lock = threading.Lock()
         self.started_at = time.time()
         try:

@@ -1,8 +1,12 @@
-"""The server's engine thread: it loads the model and runs one generation at a time.
+"""The server's engine thread: it loads the model and runs the generations.
 
 Handler threads only parse requests and relay chunks; every MLX call happens in this thread (MLX
-streams are thread-bound). Requests wait in a FIFO queue; a cancelled request that is still
-queued never starts, and a long prefill stops between chunks when its request is cancelled."""
+streams are thread-bound). With ``max_batch`` > 1 requests decode together (engine/batching.py:
+continuous batching, a request joining between rounds after its own chunked prefill, a finished
+one leaving at once); with 1, one at a time through ``Engine.stream`` as before. Requests wait in
+a FIFO queue bounded by ``max_queue`` (a full queue answers 503 with Retry-After); a cancelled
+request that is still queued never starts, and a cancelled one in flight stops at the next
+round or prefill chunk."""
 
 from __future__ import annotations
 
@@ -23,11 +27,15 @@ from engine.serve.metrics import EventHub, Metrics
 log = logging.getLogger("tandem.server")
 
 
+DEFAULT_MAX_QUEUE = 64  # requests waiting for the engine before new ones get 503
+RETRY_AFTER_S = 2
+
+
 class _Cancelled(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are told apart by identity (sets of running jobs)
 class Job:
     id: str
     endpoint: str
@@ -46,11 +54,16 @@ class EngineWorker(threading.Thread):
     or ``("error", message, http_status)``, or ``("cancelled",)`` when it was cancelled before it began.
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics):
+    def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics,
+                 max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
         super().__init__(name="tandem-engine", daemon=True)
         self.factory = engine_factory
         self.events = events
         self.metrics = metrics
+        self.max_batch = max(1, int(max_batch))
+        self.max_queue = max(1, int(max_queue))
+        self.batcher: Any = None  # engine.batching.Batcher when max_batch > 1
+        self.running: set[Job] = set()  # batched jobs admitted and not yet answered
         self.engine: Any = None
         self.load_error: str | None = None
         self.ready = threading.Event()
@@ -67,6 +80,14 @@ class EngineWorker(threading.Thread):
                 log.error("model load failed: %s", self.load_error)
             finally:
                 self.ready.set()
+            if self.engine is not None and self.max_batch > 1:
+                from engine.batching import Batcher
+
+                self.batcher = Batcher(self.engine, self.max_batch)
+                if self.batcher.alone_reason:
+                    log.info("requests run one at a time: %s", self.batcher.alone_reason)
+                self._run_batched()
+                return
             while self.engine is not None:
                 job = self.jobs.get()
                 if job is None:
@@ -90,37 +111,104 @@ class EngineWorker(threading.Thread):
     def submit(self, job: Job) -> Job:
         if self._stopping:
             raise RequestError("the server is shutting down", status=503, kind="api_error")
+        if self.jobs.qsize() >= self.max_queue:
+            self.metrics.add(rejected=1)
+            error = RequestError(f"the server is busy: {self.max_queue} requests are waiting; retry shortly",
+                                 status=503, kind="overloaded_error")
+            error.retry_after = RETRY_AFTER_S
+            raise error
         self.metrics.gauge("queued", 1)
         self.jobs.put(job)
         return job
 
-    def _run(self, job: Job) -> None:
+    # -- batched ----------------------------------------------------------------------------
+    def _run_batched(self) -> None:
+        """Admit what arrived (blocking only when nothing runs), then one tick of the batch."""
+        batcher = self.batcher
+        while True:
+            block = not batcher.busy
+            while True:
+                try:
+                    job = self.jobs.get(block=block)
+                except queue.Empty:
+                    break
+                if job is None:  # stopping: the jobs in flight were cancelled; let them end so
+                    batcher.step()
+                    return
+                self.metrics.gauge("queued", -1)
+                self._admit(job)
+                block = False
+            batcher.step()
+            self.metrics.set_gauge("batch_occupancy", batcher.occupancy)
+
+    def _admit(self, job: Job) -> None:
         if job.cancel.is_set():
             job.out.put(("cancelled",))
             return
         job.started = time.perf_counter()
+        on_round = self._publisher(job)
+        self._announce(job)
+        self.running.add(job)
+
+        def on_chunk(chunk: Any) -> None:
+            if chunk.result is not None:
+                self._delivered(job, chunk.result)
+            elif chunk.text:
+                job.out.put(("text", chunk.text))
+
+        def on_error(e: BaseException) -> None:
+            log.error("generation %s failed: %s", job.id, e)
+            self._failed(job, f"internal error: {type(e).__name__}: {e}", 500)
+
+        try:
+            self.batcher.submit(job.prompt_ids, on_chunk=on_chunk, cancel=job.cancel.is_set, on_error=on_error,
+                                on_round=on_round, **job.kwargs)
+        except TandemError as e:
+            self._failed(job, str(e), 400)
+        except Exception as e:  # a bug must not take the engine thread down with it
+            log.error("generation %s failed:\n%s", job.id, traceback.format_exc())
+            self._failed(job, f"internal error: {type(e).__name__}: {e}", 500)
+
+    def _publisher(self, job: Job) -> Callable[[Any], None]:
         events = self.events
 
         def on_round(ev: Any) -> None:
             if events.active:
                 events.publish({"type": "round", "id": job.id, **dataclasses.asdict(ev)})
 
+        return on_round
+
+    def _announce(self, job: Job) -> None:
+        if self.events.active:
+            self.events.publish({"type": "request", "id": job.id, "endpoint": job.endpoint,
+                                 "prompt_tokens": len(job.prompt_ids), "queue_s": round(job.started - job.submitted, 4),
+                                 **{k: job.kwargs.get(k) for k in ("mode", "max_new_tokens", "temperature")}},
+                                evict=True)
+
+    def _delivered(self, job: Job, result: Any) -> None:
+        self.running.discard(job)
+        self.metrics.result(result)
+        if self.events.active:
+            self.events.publish({"type": "result", "id": job.id, **result.to_dict()}, evict=True)
+        job.out.put(("result", result))
+
+    def _run(self, job: Job) -> None:
+        if job.cancel.is_set():
+            job.out.put(("cancelled",))
+            return
+        job.started = time.perf_counter()
+        on_round = self._publisher(job)
+
         def progress(done: int, total: int) -> None:
             if job.cancel.is_set():  # a long prefill stops between chunks
                 raise _Cancelled()
 
-        if events.active:
-            events.publish({"type": "request", "id": job.id, "endpoint": job.endpoint,
-                            "prompt_tokens": len(job.prompt_ids), "queue_s": round(job.started - job.submitted, 4),
-                            **{k: job.kwargs.get(k) for k in ("mode", "max_new_tokens", "temperature")}}, evict=True)
+        self._announce(job)
         try:
             for chunk in self.engine.stream(job.prompt_ids, on_round=on_round, cancel=job.cancel.is_set,
                                             prefill_progress=progress, **job.kwargs):
                 if chunk.result is not None:
-                    self.metrics.result(chunk.result)
-                    if events.active:
-                        events.publish({"type": "result", "id": job.id, **chunk.result.to_dict()}, evict=True)
-                    job.out.put(("result", chunk.result))
+                    self._delivered(job, chunk.result)
                 elif chunk.text:
                     job.out.put(("text", chunk.text))
         except _Cancelled:
@@ -133,6 +221,7 @@ class EngineWorker(threading.Thread):
             self._failed(job, f"internal error: {type(e).__name__}: {e}", 500)
 
     def _failed(self, job: Job, message: str, status: int | None) -> None:
+        self.running.discard(job)
         if status is not None:
             self.metrics.add(errors=1)
         if self.events.active:
@@ -152,5 +241,7 @@ class EngineWorker(threading.Thread):
         current = self.current
         if current is not None:
             current.cancel.set()
+        for job in list(self.running):  # batched: each ends "cancelled" at the engine's next tick
+            job.cancel.set()
         self.jobs.put(None)
         self.join(timeout)

@@ -1,0 +1,304 @@
+"""The batched verify loop: several sequences share each target forward, each speculating on its own.
+
+``decode`` (engine/speculative.py) runs one sequence; ``BatchLoop`` runs up to ``max_batch`` of
+them with the same rules per row. A tick is:
+
+1. **One prefill chunk** of the oldest sequence still prefilling (chunk boundaries at multiples of
+   ``PREFILL_CHUNK`` from token 0, as ``Target.prefill`` puts them, so a row's caches are what a
+   lone prefill leaves). Rows already decoding wait for one chunk at most, never a whole prompt;
+   with none decoding the prefill runs on.
+2. **One round for every decoding row** in one target forward: each row asks its own cap policy,
+   its own drafter proposes (drafters run per row; their state is per row), and the verify carries
+   each row's ``[anchor] + drafts``, padded to the widest with filler rows that are never
+   committed. Each row accepts by its own sampler and commits through its own cache transaction,
+   so its caches end as a lone sequence's would (engine/batch_cache.py).
+
+A row's tokens, stops and events are what ``decode`` yields for it; a finished, cancelled or
+stopped row leaves at once and the next tick admits whoever waits. On the CPU backend a row's
+arithmetic does not depend on the other rows, so greedy and seeded output equal a lone run's
+(tests/test_batch.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from engine.drafters.base import Drafter
+from engine.sampling import Sampler, accept_greedy, accept_sampled
+from engine.speculative import (
+    CapPolicy,
+    DecodeStats,
+    FixedCap,
+    Resume,
+    RoundEvent,
+    _cheap_draft_stop,
+    _plain_run_length,
+    _tell_catch_up,
+    _tell_no_draft,
+    stop_block,
+)
+from engine.target import PREFILL_CHUNK, Target
+
+
+@dataclass
+class BatchRow:
+    """One sequence of a batch: its plan (sampler, drafter, cap policy) and its state."""
+
+    prompt_ids: list[int]
+    sampler: Sampler
+    max_new_tokens: int
+    drafter: Drafter | None = None  # this row's own (``Drafter.fork``)
+    cap_policy: CapPolicy | None = None
+    eos_ids: Sequence[int] = ()
+    mode: str = ""
+    resume: Resume | None = None
+    on_prefill: Callable[[int, list], None] | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    key: object = None  # the caller's handle (a request)
+    # state
+    cache: list | None = None
+    prefilled: int = 0  # prompt tokens the caches hold
+    hidden_parts: list = field(default_factory=list)
+    generated: int = 0
+    done: bool = False
+    run_left: int = 0  # plain steps left in the current run (decode's _plain_run)
+    run_stop: Callable[[], bool] | None = None  # ends the run early (a draft is ready)
+    forwards: int = 0
+    t_start: float = 0.0
+    t_last: float = 0.0
+    joined: float = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        return not self.done and self.cache is not None and self.prefilled >= len(self.prompt_ids)
+
+    @property
+    def tap(self) -> bool:
+        return bool(self.drafter and self.drafter.tap_layers)
+
+
+@dataclass
+class Emitted:
+    """What one tick gave one row: new tokens (EOS and past-budget tokens cut) and the event."""
+
+    row: BatchRow
+    tokens: list[int]
+    event: RoundEvent
+    done: bool
+
+
+class BatchLoop:
+    """Up to ``max_batch`` sequences decoding together on one target (one thread owns it)."""
+
+    def __init__(self, target: Target, *, max_batch: int = 4, clock: Callable[[], float] | None = None):
+        self.target = target
+        self.max_batch = max(1, int(max_batch))
+        self.clock = clock or time.perf_counter
+        self.rows: list[BatchRow] = []  # admitted: prefilling or decoding, in arrival order
+        self.waiting: list[BatchRow] = []
+        self.last_width = 0  # rows in the last round's forward
+
+    # -- membership ---------------------------------------------------------------------
+    def add(self, row: BatchRow) -> BatchRow:
+        if row.drafter is not None and row.drafter.tap_layers:
+            self._check_taps(row.drafter.tap_layers)
+        row.cap_policy = row.cap_policy or FixedCap(row.drafter.max_draft if row.drafter else 0)
+        row.stats.prompt_tokens = len(row.prompt_ids)
+        row.joined = self.clock()
+        self.waiting.append(row)
+        self._admit()
+        return row
+
+    def remove(self, row: BatchRow) -> None:
+        """Take a row out now (finished, cancelled, stopped by its caller)."""
+        row.done = True
+        for group in (self.rows, self.waiting):
+            if row in group:
+                group.remove(row)
+        self._admit()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @property
+    def occupancy(self) -> int:
+        return len(self.rows)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.max_batch:
+            row = self.waiting.pop(0)
+            if row.drafter is not None and row.drafter.tap_layers:
+                self._check_taps(row.drafter.tap_layers)
+            self.rows.append(row)
+
+    def _check_taps(self, layers: tuple[int, ...]) -> None:
+        for other in self.rows:
+            if other.tap and other.drafter.tap_layers != layers:
+                raise ValueError("rows of one batch must tap the same target layers")
+        self.target.set_taps(layers)
+
+    # -- one tick -------------------------------------------------------------------------
+    def step(self) -> list[Emitted]:
+        """One prefill chunk (if a row is prefilling), then one round for every decoding row."""
+        out: list[Emitted] = []
+        prefilling = [r for r in self.rows if not r.done and not r.decoding]
+        if prefilling:
+            row = prefilling[0]
+            while True:
+                first = self._prefill_chunk(row)
+                if first is not None:
+                    out.append(first)
+                    break
+                if any(r.decoding for r in self.rows):
+                    break  # decoding rows wait for one chunk at most
+        decoding = [r for r in self.rows if r.decoding and not any(e.row is r and e.done for e in out)]
+        if decoding:
+            out.extend(self._round(decoding))
+        for e in out:
+            if e.done:
+                self.remove(e.row)
+        return out
+
+    def _prefill_chunk(self, row: BatchRow) -> Emitted | None:
+        target, stats = self.target, row.stats
+        if row.cache is None:
+            row.t_start = self.clock()
+            row.prefilled = row.resume.cached if row.resume is not None else 0
+            row.cache = row.resume.cache if row.resume is not None else target.new_cache()
+            stats.cache, stats.cached_tokens, stats.ids = row.cache, row.prefilled, list(row.prompt_ids)
+            self._prefilled(row)
+        n = len(row.prompt_ids)
+        if row.prefilled < n:
+            end = min(n, (row.prefilled // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            logits, hidden = target.prefill(row.prompt_ids[row.prefilled:end], row.cache, tap=row.tap,
+                                            offset=row.prefilled)
+            if hidden is not None:
+                row.hidden_parts.append(hidden)
+            row.prefilled = end
+            row.forwards += 1
+            self._prefilled(row)
+            if end < n:
+                return None
+        else:  # the whole prompt was restored, with the row after it
+            logits = row.resume.logits
+        stats.prompt_logits = logits
+        row.stats.ids.append(row.sampler.pick(logits).item())
+        stats.prefill_s = self.clock() - row.t_start
+        hidden = mx.concatenate(row.hidden_parts, axis=0) if row.hidden_parts else None
+        row.hidden_parts = []
+        if row.drafter is not None:
+            if row.resume is not None and row.resume.cached:
+                row.drafter.resume(row.prompt_ids, row.resume.cached, row.resume.drafter_state, hidden)
+            else:
+                row.drafter.begin(row.prompt_ids, hidden)
+            stats.drafter_ready = True
+        row.t_start = row.t_last = self.clock()
+        return self._emit(row, [stats.ids[-1]], 0, 0, 0)
+
+    def _prefilled(self, row: BatchRow) -> None:
+        row.stats.cache_len = row.prefilled
+        if row.on_prefill is not None:
+            row.on_prefill(row.prefilled, row.cache)
+
+    def _round(self, rows: list[BatchRow]) -> list[Emitted]:
+        t_round = self.clock()
+        plans = [self._propose(row) for row in rows]
+        width = max(len(d) for _, d, _ in plans) + 1
+        if width > 1:
+            width = self.target.verify_width(width)
+        verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
+                           for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
+        tap = any(r.tap for r in rows)
+        t_verify = self.clock()
+        if len(rows) == 1:  # a lone row runs the one-sequence verify (any cache kind, recurrent too)
+            logits, hidden, txn = self.target.verify(verify, rows[0].cache, tap=tap)
+            logits, hidden, txns = logits[None], None if hidden is None else hidden[None], [txn]
+        else:
+            logits, hidden, txns = self.target.verify_rows(verify, [r.cache for r in rows], tap=tap)
+        self.last_width = len(rows)
+        out = []
+        for b, (row, (cap, drafts, draft), txn) in enumerate(zip(rows, plans, txns)):
+            k = len(drafts)
+            if k == 0:
+                committed, n = [row.sampler.pick(logits[b, 0]).item()], 0
+            elif row.sampler.greedy:
+                n, committed = accept_greedy(verify[b, 1 : k + 1], logits[b, : k + 1])
+            else:
+                n, committed = accept_sampled(verify[b, 1 : k + 1], draft.probs, logits[b, : k + 1], row.sampler)
+            txn.commit(n + 1)
+            row.forwards += 1
+            ids = row.stats.ids
+            ids.extend(committed)
+            row.stats.cache_len = len(ids) - 1
+            if row.drafter is not None:
+                row_hidden = hidden[b, : n + 1] if hidden is not None and row.tap else None
+                row.drafter.commit(ids, len(committed), row_hidden)
+            t_end = self.clock()
+            source = (draft.source or row.drafter.name) if k else ""
+            out.append(self._emit(row, committed, k, n, cap, t_verify - t_round, t_end - t_verify, source))
+            now = self.clock()
+            row.cap_policy.observe(k, n, now - row.t_last)
+            row.t_last = now
+        return out
+
+    def _propose(self, row: BatchRow) -> tuple[int, list[int], object]:
+        """(cap, draft tokens, Draft) for this row's next round; no tokens: a plain step.
+
+        Runs of plain steps follow ``decode``'s schedule step for step (a parked policy's
+        ``plain_run``, plain steps until the drafter has a draft), so a seeded row draws the
+        same random numbers as alone: whether a run goes on is asked before each step's token is
+        known, as ``decode`` asks it before queuing the next pipelined forward."""
+        drafter, policy = row.drafter, row.cap_policy
+        if drafter is None:
+            return 0, [], None
+        ids = row.stats.ids
+        remaining = row.max_new_tokens - row.generated
+        if row.run_left == 0:
+            cap = max(0, min(policy.cap(), drafter.max_draft, remaining - 1))
+            if cap and not drafter.draft_ready(ids):  # nothing to propose: plain steps until there is
+                _tell_no_draft(policy)
+                row.run_left, row.run_stop = remaining, (lambda: drafter.draft_ready(ids))
+            elif cap == 0:
+                row.run_left = max(1, min(_plain_run_length(policy), remaining))
+                row.run_stop = _cheap_draft_stop(policy, drafter, ids)
+            else:
+                return cap, *self._draft(row, cap)
+        row.run_left -= 1
+        if row.run_left > 0 and row.run_stop is not None and row.run_stop():
+            row.run_left = 0
+        return 0, [], None
+
+    def _draft(self, row: BatchRow, cap: int) -> tuple[list[int], object]:
+        drafter, ids = row.drafter, row.stats.ids
+        t0 = self.clock()
+        if drafter.catch_up(ids):  # a one-off backlog: not the round's cost
+            caught_up = self.clock() - t0
+            row.t_last += caught_up
+            _tell_catch_up(row.cap_policy, caught_up)
+        draft = drafter.propose(ids, cap, row.sampler)
+        if draft is None or len(draft) == 0:
+            return [], None
+        if len(draft) > cap:
+            draft.tokens = draft.tokens[:cap]
+            draft.probs = None if draft.probs is None else draft.probs[:cap]
+        return draft.tokens.tolist(), draft
+
+    def _emit(self, row: BatchRow, tokens: list[int], drafted: int, accepted: int, cap: int,
+              draft_s: float = 0.0, verify_s: float = 0.0, drafted_by: str = "") -> Emitted:
+        stats = row.stats
+        out, reason = stop_block(tokens, row.eos_ids, row.generated, row.max_new_tokens)
+        if reason is not None:
+            stats.finish_reason = reason
+        row.generated += len(out)
+        stats.rounds.append((drafted, accepted))
+        stats.caps.append(cap)
+        stats.target_forwards = row.forwards
+        event = RoundEvent(len(stats.rounds) - 1, self.clock() - row.t_start, drafted, accepted, len(out), cap,
+                           len(row.prompt_ids) + row.generated, row.generated, draft_s, verify_s, row.mode,
+                           drafted_by)
+        return Emitted(row, out, event, reason is not None)

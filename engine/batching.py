@@ -1,0 +1,134 @@
+"""Continuous batching of requests on one engine: requests join and leave a running batch.
+
+``Batcher`` resolves each request into its plan once (``Engine.plan``: prompt ids, mode, drafter,
+cap policy, sampler), gives the row its own drafter (``Drafter.fork``: shared weights, its own
+state) and its prefix-cache restore, and feeds each tick's tokens through the request's own
+``RequestOutput`` (text, stop strings, result), so a request's chunks are those it gets alone.
+One thread drives it (``step``); the server's engine thread and ``engine.api.generate_batch``
+do. A target whose caches do not batch (recurrent state: engine/batch_cache.py) runs its
+requests one at a time, and each result says why (``GenerationResult.note``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.batch import BatchLoop, BatchRow
+from engine.batch_cache import batchable
+from engine.generate import Chunk, Engine, Prompt, RequestOutput, RoundEvent
+
+log = logging.getLogger("tandem.batch")
+
+DEFAULT_MAX_BATCH = 4
+
+
+@dataclass
+class Ticket:
+    """A submitted request: where its chunks go and how it is cancelled."""
+
+    output: RequestOutput
+    row: BatchRow
+    on_chunk: Callable[[Chunk], None]
+    cancel: Callable[[], bool] | None = None
+    on_error: Callable[[BaseException], None] | None = None
+    done: bool = False
+    result: Any = None
+    chunks: list[Chunk] = field(default_factory=list)  # kept when no on_chunk was given
+
+
+class Batcher:
+    """Up to ``max_batch`` requests of one engine decoding together (one thread drives it)."""
+
+    def __init__(self, engine: Engine, max_batch: int = DEFAULT_MAX_BATCH):
+        self.engine = engine
+        self.alone_reason = batchable(engine.target.new_cache())
+        self.max_batch = 1 if self.alone_reason else max(1, int(max_batch))
+        self.loop = BatchLoop(engine.target, max_batch=self.max_batch)
+        self.tickets: list[Ticket] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.tickets)
+
+    @property
+    def occupancy(self) -> int:
+        return self.loop.occupancy
+
+    @property
+    def waiting(self) -> int:
+        return len(self.loop.waiting)
+
+    def submit(self, prompt: Prompt, *, on_chunk: Callable[[Chunk], None] | None = None,
+               cancel: Callable[[], bool] | None = None, on_error: Callable[[BaseException], None] | None = None,
+               on_round: Callable[[RoundEvent], None] | None = None, **kwargs: Any) -> Ticket:
+        """Queue a request (``Engine.plan``'s keyword arguments); a bad one raises here."""
+        plan = self.engine.plan(prompt, **kwargs)
+        if self.alone_reason and self.max_batch == 1 and plan.note is None:
+            plan.note = f"runs alone: {self.alone_reason}"
+        out = RequestOutput(self.engine, plan, on_round=on_round)
+        prefix = out.prefix_plan
+        row = BatchRow(prompt_ids=plan.prompt_ids, sampler=plan.sampler, max_new_tokens=plan.max_new_tokens,
+                       drafter=plan.drafter.fork() if plan.drafter is not None else None,
+                       cap_policy=plan.cap_policy, eos_ids=out.eos, mode=plan.mode,
+                       resume=prefix.resume if prefix else None, on_prefill=prefix.on_prefill if prefix else None,
+                       stats=out.stats)
+        ticket = Ticket(out, row, on_chunk, cancel, on_error)
+        if on_chunk is None:
+            ticket.on_chunk = ticket.chunks.append
+        row.key = ticket
+        self.tickets.append(ticket)
+        self.loop.add(row)
+        return ticket
+
+    def step(self) -> None:
+        """Cancel what was cancelled, then one tick of the batch; chunks go out as they come."""
+        for ticket in list(self.tickets):
+            if ticket.cancel is not None and ticket.cancel():
+                ticket.output.stats.finish_reason = "cancelled"
+                self._finish(ticket)
+        if not self.loop.busy:
+            return
+        try:
+            emitted = self.loop.step()
+        except Exception as e:  # the forward failed: every admitted row's state is unknown now
+            log.exception("batch tick failed")
+            for ticket in [t for t in self.tickets if t.row in self.loop.rows]:
+                self._fail(ticket, e)
+            return
+        width = self.loop.last_width
+        for e in emitted:
+            ticket: Ticket = e.row.key
+            out = ticket.output
+            out.batch_width = max(out.batch_width, width)
+            chunks, ended = out.feed(e.tokens, e.event)
+            for chunk in chunks:
+                ticket.on_chunk(chunk)
+            if e.done or ended:
+                self._finish(ticket)
+
+    def run(self) -> None:
+        """Step until every submitted request has ended."""
+        while self.busy:
+            self.step()
+
+    def _finish(self, ticket: Ticket) -> None:
+        self._drop(ticket)
+        ticket.output.remember(ticket.row.drafter)
+        for chunk in ticket.output.finish():
+            if chunk.result is not None:
+                ticket.result = chunk.result
+            ticket.on_chunk(chunk)
+
+    def _fail(self, ticket: Ticket, error: BaseException) -> None:
+        self._drop(ticket)
+        if ticket.on_error is None:
+            raise error
+        ticket.on_error(error)
+
+    def _drop(self, ticket: Ticket) -> None:
+        ticket.done = True
+        self.loop.remove(ticket.row)
+        if ticket in self.tickets:
+            self.tickets.remove(ticket)

@@ -1,0 +1,265 @@
+"""Continuous batching (engine/batch.py, engine/batch_cache.py, engine/batching.py): every row of a
+batch is the request run alone, greedy and seeded, on every cache family and in every mode; rows
+join mid-flight and leave early; each row's caches end as a clean forward over its tokens; sampled
+rows are exact samples of the target; the server answers concurrent clients together."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine.api as api
+from engine.batch import BatchLoop, BatchRow
+from engine.batch_cache import batch_view, batchable
+from engine.batching import Batcher
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.sampling import Sampler, SamplingParams, target_probs
+from engine.serve.server import make_server
+from engine.speculative import FixedCap
+from tests import drafter_ckpt as ck
+from tests.lossless import assert_same_greedy
+from tests.test_sampling import CAP, LENGTH, PROMPT, RUNS, Tally, assert_exact, models
+from tests.tiny import FAMILIES, make_tiny_engine
+
+# Rows of different lengths; the first repeats itself (lookup drafts), the last is long enough
+# to wrap the tiny sliding windows (8) and to take several prefill chunks when chunks are small.
+PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10] * 3, [20, 21, 22], list(range(30, 70)), [50, 51, 50, 51, 50, 51, 52]]
+BUDGETS = [24, 9, 30, 16]
+
+
+@pytest.fixture(scope="module", params=["llama", *FAMILIES])
+def family_engine(request):
+    return make_tiny_engine(request.param)
+
+
+def alone(engine, prompt, **kw):
+    return engine.generate(prompt, prefix_cache=False, **kw)
+
+
+def run_batch(engine, requests, max_batch=3):
+    """Submit ``requests`` (kwargs each) to a Batcher and run it to the end; the tickets."""
+    batcher = Batcher(engine, max_batch)
+    tickets = [batcher.submit(r.pop("prompt"), prefix_cache=False, **r) for r in requests]
+    widths = []
+    while batcher.busy:
+        batcher.step()
+        widths.append(batcher.loop.last_width)
+    assert batcher.occupancy == 0 and not batcher.loop.waiting
+    return tickets, widths
+
+
+def assert_caches_clean(engine, ticket):
+    """The row's caches hold its committed tokens and nothing else: the next step's logits equal
+    a clean forward's over the same tokens (to rounding: one long forward sums in another order
+    than the rounds did; a kept filler or rejected row would move them by far more)."""
+    row, target = ticket.row, engine.target
+    held = row.stats.ids[: row.stats.cache_len]
+    got, _ = target.forward(mx.array([[row.stats.ids[row.stats.cache_len]]], dtype=mx.uint32), row.cache)
+    want, _ = target.forward(mx.array([row.stats.ids[: row.stats.cache_len + 1]], dtype=mx.uint32),
+                             target.new_cache())
+    assert len(held) == row.stats.cache_len
+    gap = mx.abs(got[-1] - want[-1]).max().item()
+    assert gap < 1e-4, f"row caches differ from a clean forward by {gap} ({ticket.result.mode})"
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lookup"])
+def test_every_row_equals_its_request_alone(family_engine, mode):
+    eng = family_engine
+    requests = [dict(prompt=p, mode=mode, max_new_tokens=n, max_draft=cap)
+                for p, n, cap in zip(PROMPTS, BUDGETS, [None, 3, 8, 1])]
+    want = [alone(eng, r["prompt"], mode=mode, max_new_tokens=r["max_new_tokens"], max_draft=r["max_draft"])
+            for r in requests]
+    tickets, widths = run_batch(eng, [dict(r) for r in requests], max_batch=3)
+    for t, w, r in zip(tickets, want, requests):
+        assert_same_greedy(eng.model, r["prompt"], w.token_ids, t.result.token_ids, f"{mode} batched")
+        if t.result.token_ids == w.token_ids:
+            assert t.result.text == w.text and t.result.finish_reason == w.finish_reason
+        assert_caches_clean(eng, t)
+    if batchable(eng.target.new_cache()) is None:
+        assert max(widths) == 3 and max(t.result.batch_width for t in tickets) == 3
+        assert all(t.result.note is None for t in tickets)
+    else:  # recurrent state: one at a time, and each result says why
+        assert max(widths) == 1 and all("runs alone" in t.result.note for t in tickets)
+
+
+def test_batched_forward_matches_each_rows_own_forward():
+    """The batch view's logits are each row's own forward's, through wrapped sliding windows and
+    rows of different lengths and widths: to the last bits only (a row's attention sums over
+    left-padded keys in another grouping: MLX's softmax and BLAS), which is why the greedy
+    comparisons above allow a divergence only at a proven tie."""
+    for arch in ("llama", "gemma3"):
+        eng = make_tiny_engine(arch)
+        t = eng.target
+        batched, single = [], []
+        for p in PROMPTS[:3]:
+            for group in (batched, single):
+                c = t.new_cache()
+                t.prefill(p, c)
+                group.append(c)
+        for width in (1, 4, 1, 2):
+            ids = mx.array([[(5 * r + 3 * j + width) % 90 + 2 for j in range(width)] for r in range(3)], dtype=mx.uint32)
+            logits, _ = t.forward_rows(ids, batched)
+            for r in range(3):
+                ref, _ = t.forward(ids[r : r + 1], single[r])
+                gap = mx.abs(logits[r] - ref).max().item()
+                assert gap < 1e-5, f"{arch} width {width} row {r}: {gap}"
+
+
+def test_recurrent_caches_do_not_batch():
+    eng = make_tiny_engine("qwen3_5")
+    assert "recurrent state" in batchable(eng.target.new_cache())
+    with pytest.raises(Exception, match="does not batch"):
+        batch_view([eng.target.new_cache(), eng.target.new_cache()])[0].make_mask(1)
+
+
+def test_rows_join_mid_flight_leave_early_and_speculate(tmp_path):
+    """max_batch 2 with four requests: the third and fourth join as the first rows finish; dspark
+    rows (each with its own forked drafter state) and lookup rows share forwards."""
+    from tests.test_block_drafters import write_dspark
+
+    eng = make_tiny_engine("llama", seed=3)
+    eng.drafter_path = str(write_dspark(tmp_path / "dspark", eng))
+    modes = ["dspark", "lookup", "dspark", "baseline"]
+    want = [alone(eng, p, mode=m, max_new_tokens=n, max_draft=4) for p, m, n in zip(PROMPTS, modes, BUDGETS)]
+    tickets, widths = run_batch(eng, [dict(prompt=p, mode=m, max_new_tokens=n, max_draft=4)
+                                      for p, m, n in zip(PROMPTS, modes, BUDGETS)], max_batch=2)
+    for t, w, p in zip(tickets, want, PROMPTS):
+        assert_same_greedy(eng.model, p, w.token_ids, t.result.token_ids, f"{t.result.mode} batched")
+        assert_caches_clean(eng, t)
+    assert max(widths) == 2
+    assert sum(t.result.drafted for t in tickets) > 0  # speculation ran inside the batch
+    assert tickets[1].row.drafter is None or tickets[1].row.drafter is not tickets[0].row.drafter
+
+
+def test_seeded_sampling_alone_equals_batched():
+    eng = make_tiny_engine("llama", seed=5)
+    kw = dict(mode="lookup", temperature=0.9, top_p=0.95, max_draft=4)
+    want = [alone(eng, p, seed=40 + i, max_new_tokens=n, **kw) for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))]
+    tickets, _ = run_batch(eng, [dict(prompt=p, seed=40 + i, max_new_tokens=n, **kw)
+                                 for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))], max_batch=4)
+    assert [t.result.token_ids for t in tickets] == [w.token_ids for w in want]
+
+
+def test_batched_sampling_is_exact():
+    """Three rows at a time, each with its own draft-model drafter (multi-token drafts, rejections
+    at every position): every row's tokens follow the target's exact conditionals."""
+    target_model, draft_model = models()
+    from engine.target import Target
+
+    target = Target(target_model)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=6)
+    tally = Tally()
+    base = DraftModelDrafter(draft_model, max_draft=CAP)
+    rows_per_batch, widest = 3, 0
+    for start in range(0, RUNS + 2, rows_per_batch):  # 12 rows of LENGTH tokens
+        loop = BatchLoop(target, max_batch=rows_per_batch)
+        rows = [loop.add(BatchRow(list(PROMPT), Sampler(SamplingParams(1.0, 0.9, 6, seed=1000 + start + i)), LENGTH,
+                                  drafter=base.fork(), cap_policy=FixedCap(CAP)))
+                for i in range(rows_per_batch)]
+        tokens = {id(r): ([], []) for r in rows}
+        while loop.busy:
+            for e in loop.step():
+                toks, positions = tokens[id(e.row)]
+                toks += e.tokens
+                positions += range(len(e.tokens))
+                if e.event.drafted:
+                    tally.outcomes[e.event.drafted, e.event.accepted] += 1
+            widest = max(widest, loop.last_width)
+        for r in rows:
+            toks, positions = tokens[id(r)]
+            seq = PROMPT + toks
+            exact = np.array(target_probs(target_model(mx.array([seq]))[0, len(PROMPT) - 1 : -1], params),
+                             dtype=np.float64)
+            for t, (token, j) in enumerate(zip(toks, positions)):
+                tally.add(j, seq[len(PROMPT) + t - 1], token, exact[t])
+    assert widest == rows_per_batch
+    assert_exact(tally)
+
+
+def test_generate_batch_api_and_results_order():
+    eng = make_tiny_engine("llama")
+    results = api.generate_batch(eng, ["w5 w6 w7", "w9 w9 w9 w9", "w30"], mode="lookup", max_new_tokens=6,
+                                 chat_template=False, max_batch=2)
+    assert [r.text for r in results] == [eng.generate(p, mode="lookup", max_new_tokens=6, chat_template=False).text
+                                         for p in ["w5 w6 w7", "w9 w9 w9 w9", "w30"]]
+
+
+# ----------------------------------------------------------------------------------------
+# The server with --max-batch
+# ----------------------------------------------------------------------------------------
+def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict, dict]:
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read() or b"{}")
+    conn.close()
+    return resp.status, dict(resp.getheaders()), data
+
+
+@pytest.fixture(scope="module")
+def batch_server():
+    srv = make_server(lambda: make_tiny_engine("llama"), port=0, max_batch=3, max_queue=2).start()
+    srv.wait_ready(60)
+    yield srv
+    srv.stop()
+
+
+def test_server_short_request_joining_long_ones_returns_first(batch_server):
+    srv = batch_server
+    done: dict[str, float] = {}
+    replies: dict[str, dict] = {}
+
+    def ask(name: str, prompt: str, n: int) -> None:
+        status, _, body = _post(srv.url, {"prompt": prompt, "max_tokens": n, "tandem": {"mode": "baseline"}})
+        assert status == 200, body
+        replies[name], done[name] = body, time.perf_counter()
+
+    longs = [threading.Thread(target=ask, args=(f"long{i}", f"w{10 + i} w11 w12", 400)) for i in range(2)]
+    for t in longs:
+        t.start()
+    time.sleep(0.3)
+    short = threading.Thread(target=ask, args=("short", "w40 w41", 3))
+    short.start()
+    for t in longs + [short]:
+        t.join(120)
+    assert done["short"] < min(done["long0"], done["long1"])
+    assert replies["short"]["x_tandem"]["batch_width"] >= 2
+    assert srv.metrics.batch_occupancy == 0
+    metrics = srv.metrics.render()
+    assert "tandem_batch_occupancy 0" in metrics and "tandem_queue_depth 0" in metrics
+
+
+def test_server_full_queue_answers_503_with_retry_after(batch_server):
+    srv = batch_server
+    worker = srv.worker
+    hold = threading.Event()
+    original = worker.batcher.step
+
+    def held_step():  # the engine thread pauses so that requests pile up in the queue
+        hold.wait(30)
+        original()
+
+    worker.batcher.step = held_step
+    threads, statuses = [], []
+    try:
+        for i in range(4):  # one may be taken off the queue before the pause; two more wait there
+            th = threading.Thread(target=lambda i=i: statuses.append(
+                _post(srv.url, {"prompt": f"w{20 + i}", "max_tokens": 2})[0]))
+            th.start()
+            threads.append(th)
+            time.sleep(0.2)
+        status, headers, body = _post(srv.url, {"prompt": "w60", "max_tokens": 2})
+        assert status == 503 and headers.get("Retry-After") and "busy" in json.dumps(body)
+    finally:
+        hold.set()
+        worker.batcher.step = original
+        for th in threads:
+            th.join(60)
+    assert statuses.count(200) >= 3
