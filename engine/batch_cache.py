@@ -13,32 +13,33 @@ KV read, as attention does anyway). On a memory-bound machine it is small beside
 that the batch reads once instead of B times (a 1.5B fp32 model: 6 GB of weights against 57 kB
 of K/V per token and row).
 
-Full attention (``KVCache``) and sliding windows (``RotatingKVCache``) batch. Recurrent state
-(``ArraysCache``) and any other kind do not (``batchable`` says why): such a target decodes its
-requests one at a time.
+Recurrent state (``ArraysCache``: GatedDeltaNet, Mamba2, short convolutions) has no rows to pad:
+the rows' states are stacked into one batched ``ArraysCache`` for the forward, and each row's
+state after its own accepted length is cut from the per-position states the verify recorded
+(engine/recurrent.py ``state_picks``) by ``RowVerify``. Full attention (``KVCache``), sliding
+windows (``RotatingKVCache``), recurrent state and ``CacheList`` layers of those batch; any other
+kind does not (``batchable`` says why), and such a target decodes its requests one at a time.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache
 
-from engine.caches import CacheError, leaves
+from engine.caches import CacheError, Verify, leaves
 
-BATCHABLE = (KVCache, RotatingKVCache)
+BATCHABLE = (KVCache, RotatingKVCache, ArraysCache)
 
 
 def batchable(cache: list) -> str | None:
     """Why these caches cannot share a batched forward, or None when they can."""
     for i, c in enumerate(cache):
-        if type(c) is CacheList:
-            return f"layer {i} keeps several caches in one (CacheList)"
-        if type(c) not in BATCHABLE:
-            kind = "recurrent state" if type(c).__name__ == "ArraysCache" else type(c).__name__
-            return f"layer {i} keeps {kind}, which the engine does not batch yet"
+        for leaf in leaves([c]):
+            if type(leaf) not in BATCHABLE:
+                return f"layer {i} keeps a {type(leaf).__name__} cache, which the engine does not batch"
     return None
 
 
@@ -85,6 +86,17 @@ class RowBatch(_BaseCache):
 
     def __init__(self, rows: Sequence[Any]):
         self.rows = list(rows)
+        self._keys: mx.array | None = None
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The last fetch's batched keys. Some models tie the last layer's keys to the output
+        (``mx.depends``) for evaluation order; the rows' own caches need no such tie."""
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self._keys = value
 
     @property
     def offset(self) -> mx.array:
@@ -107,8 +119,8 @@ class RowBatch(_BaseCache):
             ks.append(k)
             vs.append(v)
         longest = max(lengths)
-        return (mx.concatenate([_left_pad(k, longest, 2) for k in ks], axis=0),
-                mx.concatenate([_left_pad(v, longest, 2) for v in vs], axis=0))
+        self._keys = mx.concatenate([_left_pad(k, longest, 2) for k in ks], axis=0)
+        return self._keys, mx.concatenate([_left_pad(v, longest, 2) for v in vs], axis=0)
 
     def empty(self) -> bool:
         return all(c.empty() for c in self.rows)
@@ -118,7 +130,80 @@ class RowBatch(_BaseCache):
         raise CacheError("a RowBatch has no state of its own: its rows' caches do")
 
 
-def batch_view(row_caches: Sequence[list]) -> list[RowBatch]:
-    """Per layer, one ``RowBatch`` over every row's cache of that layer."""
-    per_row = [leaves(c) for c in row_caches]
-    return [RowBatch([row[i] for row in per_row]) for i in range(len(per_row[0]))]
+def stacked(rows: Sequence[ArraysCache]) -> ArraysCache:
+    """The rows' recurrent states as one batched ``ArraysCache`` (row b is batch entry b)."""
+    out = ArraysCache(len(rows[0].cache))
+    for j in range(len(out.cache)):
+        slots = [r.cache[j] for r in rows]
+        if any(s is None for s in slots):
+            if not all(s is None for s in slots):
+                raise CacheError("rows of a batch must all have started their recurrent state")
+            continue
+        out.cache[j] = mx.concatenate(slots, axis=0)
+    return out
+
+
+def _batched(rows: Sequence[Any]) -> Any:
+    kind = type(rows[0])
+    if kind is CacheList:
+        return CacheList(*(_batched([r.caches[m] for r in rows]) for m in range(len(rows[0].caches))))
+    if kind is ArraysCache:
+        return stacked(rows)
+    return RowBatch(rows)
+
+
+def batch_view(row_caches: Sequence[list]) -> list:
+    """Per layer, one batch cache over every row's cache of that layer: a ``RowBatch`` for
+    attention, the stacked state for recurrent layers, a ``CacheList`` of those for a layer of
+    several."""
+    return [_batched([row[i] for row in row_caches]) for i in range(len(row_caches[0]))]
+
+
+Pick = Callable[[int], mx.array]  # a slot's batched value after the first ``kept`` rows
+
+
+def recurrent_picks(view: list, before: dict[int, list], width: int, recording: Any | None
+                    ) -> dict[int, list[tuple[int, Pick]]]:
+    """Per recurrent leaf of ``view`` (by index in ``leaves(view)``): (slot, pick) for each slot the
+    forward replaced. A one-row forward's new state is the state after its row; a wider one's
+    comes from the per-position states ``recording`` kept."""
+    view_leaves = leaves(view)
+    picks: dict[int, list[tuple[int, Pick]]] = {}
+    if width == 1 or recording is None:
+        for i, slots in before.items():
+            picks[i] = [(j, lambda kept, v=v: v) for j, v in enumerate(view_leaves[i].cache) if v is not slots[j]]
+        return picks
+    from engine.recurrent import state_picks
+
+    index = {id(c): i for i, c in enumerate(view_leaves)}
+    marks = {i: (slots,) for i, slots in before.items()}
+    for call in recording.calls:
+        own = [index[id(c)] for c in call.caches if id(c) in index and index[id(c)] in before]
+        found = state_picks(call, view_leaves, marks, own, width)
+        if found is None:
+            raise CacheError("a batched verify recorded no per-position state for a recurrent layer")
+        for i, j, pick in found:
+            picks.setdefault(i, []).append((j, pick))
+    for i, slots in before.items():
+        replaced = {j for j, v in enumerate(view_leaves[i].cache) if v is not slots[j]}
+        if replaced - {j for j, _ in picks.get(i, [])}:
+            raise CacheError("recurrent state changed outside any recorded module in a batched verify")
+    return picks
+
+
+class RowVerify(Verify):
+    """One row's transaction in a batched verify: its attention layers drop the rows it did not
+    keep (``Verify``), its recurrent layers take their state after ``kept`` rows from the batch's
+    recording, cut to this row."""
+
+    def __init__(self, cache: list, width: int, row: int):
+        super().__init__(cache, width)  # marks taken before the forward
+        self.row = row
+        self.picks: dict[int, list[tuple[int, Pick]]] = {}  # set once the forward ran
+
+    def commit(self, kept: int) -> None:
+        super().commit(kept)  # the row's recurrent slots were not written: only attention rows go
+        row_leaves = leaves(self.cache)
+        for i, slots in self.picks.items():
+            for j, pick in slots:
+                row_leaves[i][j] = pick(kept)[self.row : self.row + 1]

@@ -5,8 +5,8 @@ cap policy, sampler), gives the row its own drafter (``Drafter.fork``: shared we
 state) and its prefix-cache restore, and feeds each tick's tokens through the request's own
 ``RequestOutput`` (text, stop strings, result), so a request's chunks are those it gets alone.
 One thread drives it (``step``); the server's engine thread and ``engine.api.generate_batch``
-do. A target whose caches do not batch (recurrent state: engine/batch_cache.py) runs its
-requests one at a time, and each result says why (``GenerationResult.note``).
+do. A target whose caches do not batch (``Target.batch_blocker``) runs its requests one at a
+time, and each result says why (``GenerationResult.note``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.batch import BatchLoop, BatchRow
-from engine.batch_cache import batchable
 from engine.generate import Chunk, Engine, Prompt, RequestOutput, RoundEvent
 
 log = logging.getLogger("tandem.batch")
@@ -43,7 +42,7 @@ class Batcher:
 
     def __init__(self, engine: Engine, max_batch: int = DEFAULT_MAX_BATCH):
         self.engine = engine
-        self.alone_reason = batchable(engine.target.new_cache())
+        self.alone_reason = engine.target.batch_blocker()
         self.max_batch = 1 if self.alone_reason else max(1, int(max_batch))
         self.loop = BatchLoop(engine.target, max_batch=self.max_batch)
         self.tickets: list[Ticket] = []

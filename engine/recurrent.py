@@ -135,32 +135,43 @@ def _pick_states(call: Call, txn: "Verify", own: list[int], kept: int) -> bool:
     """Set each replaced slot of the call's recurrent caches to its value after ``kept`` rows,
     from the per-position states and convolution inputs the verify recorded. False (and nothing
     changed) when some slot has no such record."""
-    updates = []
+    picks = state_picks(call, txn.leaves, txn.marks, own, txn.width)
+    if picks is None:
+        return False
+    for i, j, after in picks:
+        txn.leaves[i][j] = after(kept)
+    return True
+
+
+def state_picks(call: Call, leaves: list, marks: list, own: list[int], width: int
+                ) -> list[tuple[int, int, Callable[[int], mx.array]]] | None:
+    """For each slot of the call's recurrent leaves that the forward replaced: (leaf index, slot,
+    ``after(kept)``: the slot's value after the first ``kept`` of the ``width`` rows, every
+    sequence of the batch at once). None when some slot has no record."""
+    picks = []
     conv_inputs = list(call.conv_inputs)
     for i in own:
-        c = txn.leaves[i]
+        c = leaves[i]
         if type(c) is not ArraysCache:
             continue
-        before = txn.marks[i][0]
+        before = marks[i][0]
         for j, value in enumerate(c.cache):
             if value is before[j]:
                 continue
             states = call.states.get(id(value))
             if states is not None and states[-1] is value:
-                updates.append((c, j, states[kept - 1]))
+                picks.append((i, j, lambda kept, states=states: states[kept - 1]))
                 continue
             # A convolution state: the last k-1 rows of [old state; new rows]; after ``kept`` rows
             # those are rows kept .. kept+k-2 of the convolution's input.
             x = next((x for x in conv_inputs if value is not None and x.ndim == 3 and value.ndim == 3
                       and x.shape[0] == value.shape[0] and x.shape[2] == value.shape[2]
-                      and x.shape[1] == value.shape[1] + txn.width), None)
+                      and x.shape[1] == value.shape[1] + width), None)
             if x is None:
-                return False
+                return None
             conv_inputs.remove(x)
-            updates.append((c, j, x[:, kept : kept + value.shape[1]]))
-    for c, j, value in updates:
-        c[j] = value
-    return True
+            picks.append((i, j, lambda kept, x=x, n=value.shape[1]: x[:, kept : kept + n]))
+    return picks
 
 
 def _replay(call: Call, txn: "Verify", own: list[int], kept: int) -> None:

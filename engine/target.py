@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from engine import batch_cache, caches, compiled, cuda_skinny, recurrent
 from engine.errors import TandemError
@@ -352,16 +352,37 @@ class Target:
         """One forward over B sequences at once: ``ids`` [B, L], row b appended to its own caches
         ``row_caches[b]`` (engine/batch_cache.py; every layer's cache must batch). Returns lazy
         (logits [B, L, V], hidden [B, L, n_taps * H] or None)."""
-        return self._run(ids, batch_cache.batch_view(row_caches), False, tap)
+        logits, hidden, txns = self.verify_rows(ids, row_caches, tap=tap)
+        for txn in txns:
+            txn.commit(int(ids.shape[1]))
+        return logits, hidden
 
     def verify_rows(self, ids: mx.array, row_caches: Sequence[list], *, tap: bool = False
                     ) -> tuple[mx.array, mx.array | None, list[caches.Verify]]:
         """``forward_rows`` inside one cache transaction per row: ``txns[b].commit(kept)`` keeps
-        row b's first ``kept`` rows (batched targets hold no recurrent state to rewind)."""
+        row b's first ``kept`` rows, recurrent state included (per-position states, recorded
+        for the whole batch at once)."""
         width = int(ids.shape[1])
-        txns = [caches.Verify(c, width) for c in row_caches]
-        logits, hidden = self.forward_rows(ids, row_caches, tap=tap)
+        view = batch_cache.batch_view(row_caches)
+        before = {i: list(c.cache) for i, c in enumerate(caches.leaves(view)) if type(c) is ArraysCache}
+        txns = [batch_cache.RowVerify(c, width, b) for b, c in enumerate(row_caches)]  # marks before the forward
+        recording = None
+        if before and width > 1:
+            with self.recorder.record() as recording:
+                logits, hidden = self._run(ids, view, False, tap)
+        else:
+            logits, hidden = self._run(ids, view, False, tap)
+        picks = batch_cache.recurrent_picks(view, before, width, recording)
+        for txn in txns:
+            txn.picks = picks
         return logits, hidden, txns
+
+    def batch_blocker(self) -> str | None:
+        """Why requests on this target cannot share a forward, or None when they can."""
+        reason = batch_cache.batchable(self.new_cache())
+        if reason is None and self.recorder is not None and self.recorder.method != "states":
+            reason = "its recurrent state is rewound by replay, which does not batch"
+        return reason
 
     def _run(self, ids: mx.array, cache: list, last_only: bool, tap: bool) -> tuple[mx.array, mx.array | None]:
         self.forwards += 1

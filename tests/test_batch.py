@@ -16,7 +16,7 @@ import pytest
 
 import engine.api as api
 from engine.batch import BatchLoop, BatchRow
-from engine.batch_cache import batch_view, batchable
+from engine.batch_cache import batchable
 from engine.batching import Batcher
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.sampling import Sampler, SamplingParams, target_probs
@@ -81,11 +81,9 @@ def test_every_row_equals_its_request_alone(family_engine, mode):
         if t.result.token_ids == w.token_ids:
             assert t.result.text == w.text and t.result.finish_reason == w.finish_reason
         assert_caches_clean(eng, t)
-    if batchable(eng.target.new_cache()) is None:
-        assert max(widths) == 3 and max(t.result.batch_width for t in tickets) == 3
-        assert all(t.result.note is None for t in tickets)
-    else:  # recurrent state: one at a time, and each result says why
-        assert max(widths) == 1 and all("runs alone" in t.result.note for t in tickets)
+    assert eng.target.batch_blocker() is None  # every family batches, recurrent state included
+    assert max(widths) == 3 and max(t.result.batch_width for t in tickets) == 3
+    assert all(t.result.note is None for t in tickets)
 
 
 def test_batched_forward_matches_each_rows_own_forward():
@@ -111,11 +109,11 @@ def test_batched_forward_matches_each_rows_own_forward():
                 assert gap < 1e-5, f"{arch} width {width} row {r}: {gap}"
 
 
-def test_recurrent_caches_do_not_batch():
-    eng = make_tiny_engine("qwen3_5")
-    assert "recurrent state" in batchable(eng.target.new_cache())
-    with pytest.raises(Exception, match="does not batch"):
-        batch_view([eng.target.new_cache(), eng.target.new_cache()])[0].make_mask(1)
+def test_caches_that_do_not_batch_are_named():
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    assert "QuantizedKVCache" in batchable([QuantizedKVCache()])
+    assert batchable(make_tiny_engine("falcon_h1").target.new_cache()) is None  # CacheList of both kinds
 
 
 def test_rows_join_mid_flight_leave_early_and_speculate(tmp_path):
@@ -135,6 +133,47 @@ def test_rows_join_mid_flight_leave_early_and_speculate(tmp_path):
     assert max(widths) == 2
     assert sum(t.result.drafted for t in tickets) > 0  # speculation ran inside the batch
     assert tickets[1].row.drafter is None or tickets[1].row.drafter is not tickets[0].row.drafter
+
+
+def _engine_for(mode: str, tmp_path):
+    """A tiny target with a drafter for ``mode`` (checkpoints in their real on-disk layouts)."""
+    from tests.test_block_drafters import write_dflash, write_dspark
+    from tests.test_eagle3 import exact_eagle3
+    from tests.test_mtp import exact_head, write_sidecar
+    from tests.tiny import make_tiny_model
+
+    from tests.test_block_drafters import bigram_engine
+
+    eng = bigram_engine() if mode == "mtp" else make_tiny_engine("qwen3" if mode == "eagle3" else "llama", seed=4)
+    if mode == "draft":
+        eng.set_drafter("draft", DraftModelDrafter(make_tiny_model("llama", seed=4), max_draft=4))
+    elif mode in ("dspark", "lookup-first"):
+        eng.drafter_path = str(write_dspark(tmp_path / "dspark", eng))
+        eng.lookup_first = mode == "lookup-first"
+    elif mode == "dflash":
+        eng.drafter_path = str(write_dflash(tmp_path / "dflash", eng))
+    elif mode == "eagle3":
+        eng.drafter_path = str(exact_eagle3(tmp_path / "eagle3", eng, aux=[1, 2]))
+    elif mode == "mtp":
+        eng.drafter_path = str(write_sidecar(tmp_path / "mtp", eng, exact_head(eng, noise=0.05, seed=2)))
+    return eng, "dspark" if mode == "lookup-first" else mode
+
+
+@pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "eagle3", "mtp", "lookup-first"])
+def test_every_drafter_batches(mode, tmp_path):
+    """Each mode's rows (own drafter state each, different caps, one joining mid-flight) equal
+    their requests alone."""
+    eng, run_mode = _engine_for(mode, tmp_path)
+    prompts = [[t % (eng.target.vocab_size - 2) + 2 for t in p] for p in PROMPTS]
+    requests = [dict(prompt=p, mode=run_mode, max_new_tokens=n, max_draft=cap)
+                for p, n, cap in zip(prompts, BUDGETS, [4, 2, 3, 4])]
+    want = [alone(eng, r["prompt"], mode=run_mode, max_new_tokens=r["max_new_tokens"], max_draft=r["max_draft"])
+            for r in requests]
+    tickets, widths = run_batch(eng, [dict(r) for r in requests], max_batch=3)
+    for t, w, r in zip(tickets, want, requests):
+        assert_same_greedy(eng.model, r["prompt"], w.token_ids, t.result.token_ids, f"{mode} batched")
+        assert_caches_clean(eng, t)
+    assert max(widths) == 3 and sum(t.result.drafted for t in tickets) > 0
 
 
 def test_seeded_sampling_alone_equals_batched():
