@@ -90,11 +90,12 @@ class TandemServer:
     def __init__(self, engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
                  api_key: str | None = None, config: ServerConfig | None = None):
         self.config = config or ServerConfig()
-        self.api_key = api_key or None
+        self.api_key = (api_key or "").strip() or None  # the handler strips what clients send, too
         self.metrics = Metrics()
         self.events = EventHub(self.metrics)
         self.worker = EngineWorker(engine_factory, self.events, self.metrics)
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = threading.Lock()  # only for the tokenizer's first use (routes.Handler._tokenizer)
+        self.settled_tokenizer: Any = None
         self.started_at = time.time()
         try:
             self.httpd = HTTPServer((host, port), Handler)
