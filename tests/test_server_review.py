@@ -28,8 +28,7 @@ CONTEXT = 512
 
 @pytest.fixture(scope="module")
 def srv():
-    # The key is given with spaces around it, as a quoted export or a pasted line would.
-    server = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, api_key=f"  {KEY} \n",
+    server = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, api_key=KEY,
                          max_context=CONTEXT, default_max_tokens=6).start()
     yield server.wait_ready(60)
     server.stop()
@@ -226,8 +225,12 @@ def test_a_tiny_top_p_keeps_the_most_likely_token(srv):
 
 
 def test_api_keys_with_spaces(srv, monkeypatch):
+    """A key set with spaces around it (a quoted export, a pasted line) locked every client out."""
     monkeypatch.setenv("TANDEM_API_KEY", f" {KEY}  ")
     assert api_key_from(build_parser("serve").parse_args(["serve"])) == KEY
+    spaced = make_server(lambda: None, port=0, api_key=f"  {KEY} \n")  # not started: its key is all we read
+    spaced.httpd.server_close()
+    assert spaced.api_key == KEY
     for headers in ({"x-api-key": f"  {KEY} "}, {"Authorization": f"Bearer  {KEY} "}, {"x-api-key": KEY}):
         status, _ = post(srv, "/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "w5"}]},
                          {"Authorization": "", **headers})
