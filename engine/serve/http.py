@@ -1,13 +1,17 @@
 """The server's HTTP layer: reading requests, authorizing them, writing JSON and SSE replies.
 
 The standard library's ``ThreadingHTTPServer`` serves one thread per connection (no dependency;
-the traffic is one local user's). SSE is written with chunked transfer encoding, so streaming
-connections stay reusable. A handler notices a client that left (a zero-timeout ``select`` plus
-a ``MSG_PEEK``, or a failed write) and raises ``ClientGone``.
+the traffic is one local user's), at most ``MAX_CONNECTIONS`` at once (more get a 503 from the
+accepting thread), and a connection idle for ``HEADER_TIMEOUT`` while its next request's head is
+awaited is closed. SSE is written with chunked transfer encoding, so streaming connections stay
+reusable; HTTP/1.0 clients get the bare stream, ended by closing. ``Connection: close`` and
+HTTP/1.0 are honoured on every reply, errors included. A handler notices a client that left (a
+zero-timeout ``select`` plus a ``MSG_PEEK``, or a failed write) and raises ``ClientGone``.
 
 What a hostile client or a web page can send is refused before any work is done:
 
-* Bodies: ``Content-Length`` must be plain digits, at most ``MAX_BODY``, and the body is read to
+* Bodies, on every method (a GET body left unread would be parsed as the next request):
+  ``Content-Length`` must be plain digits, at most ``MAX_BODY``, and the body is read to
   exactly that length (400/411/413 before reading); chunked bodies are read with bounded lines,
   sizes checked before each chunk is read, framing counted against the limit, at most
   ``MAX_CHUNKS`` chunks. JSON must be

@@ -18,7 +18,9 @@ rendering and output parsing shared by both).
   written for ``keepalive_s`` (long queue waits and prefills), so clients and proxies don't time out.
 * Bad JSON or a bad field: 400 with the dialect's error body. A prompt longer than the model's
   context (``max_position_embeddings`` from the config, or ``--max-context``): 400 naming both
-  numbers; ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+  numbers (a prompt too many bytes long to fit is refused before it is tokenized, see
+  ``routes``); ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+* A final assistant message is a prefill: the reply continues it.
 * Web pages are refused (Host and Origin checks, ``engine.serve.http``): ``--allow-host`` and
   ``--allow-origin`` open it up where wanted.
 * Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
