@@ -163,7 +163,7 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "tandem"
-    timeout = 600  # an idle keep-alive connection lets its thread go after this long
+    timeout = 600  # a request's socket reads and writes (its body, a stream) give up after this long
     _endpoint, _sse_open, _body_read, _last_write, _chunked = "other", False, True, 0.0, True
     _cors_origin: str | None = None  # an allowed browser Origin to answer with CORS headers
 
