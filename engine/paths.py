@@ -22,6 +22,15 @@ def cache_root() -> Path:
     return Path(base) / "tandem"
 
 
+def config_root() -> Path:
+    """Tandem's settings folder, outside the cache: ``$TANDEM_CONFIG_DIR`` or
+    ``$XDG_CONFIG_HOME/tandem`` (~/.config/tandem)."""
+    if env := os.environ.get("TANDEM_CONFIG_DIR"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "tandem"
+
+
 def read_json(path: Path) -> dict:
     """A cache file's JSON object, or {} when it is missing, unreadable, damaged or not an object:
     a cache is rebuilt, never fatal."""

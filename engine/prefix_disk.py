@@ -1,15 +1,22 @@
 """The prefix cache's disk tier: entries survive a restart, one safetensors file each.
 
-Layout: ``<root>/<identity hash>/<token hash>-<crc32>.safetensors`` (root: ``--prefix-cache-dir``,
+Layout: ``<root>/<identity hash>/<token hash>-<mac>.safetensors`` (root: ``--prefix-cache-dir``,
 by default ``~/.cache/tandem/prefix``, respecting ``TANDEM_CACHE_DIR`` / ``XDG_CACHE_HOME``). One
 folder per model identity (weights, precision, cache layout, backend, versions), so models never
 see each other's entries. The file's metadata repeats the identity and lists the tokens and what
 the entry can restore, so listing the folder reads headers only.
 
-A file is written to a temporary name and renamed, so a reader never sees half of one. The CRC32
-of the whole file is in its name: a truncated or altered file, or one whose metadata names
-another identity, is refused and deleted, never loaded. The folder is kept under a byte cap,
-least recently used first.
+Whoever can write the folder must not be able to change what the model says. So the name carries
+a keyed hash (BLAKE2b) of the whole file under a per-install secret kept outside the cache folder
+(``install_key``: ``~/.config/tandem/prefix-cache.key``): a file is loaded only when its bytes,
+tokens included, hash to its name, so a damaged file, or a forged one (one prompt's state under
+another prompt's tokens), is refused and deleted, never loaded. Headers are listed before that
+check, so they are checked for shape first (``check_meta``): a malformed one is refused and deleted
+too, never a failed request.
+
+A file is written to a temporary name and renamed, so a reader never sees half of one; temporary
+files a killed writer left are removed when the folder is first listed, and those of live writers
+count toward the folder's byte cap (least recently used first).
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ import io
 import json
 import logging
 import os
+import re
 import time
 import uuid
-import zlib
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -31,7 +38,7 @@ import mlx.core as mx
 
 from engine import caches
 from engine.drafters.base import DrafterState
-from engine.paths import cache_root
+from engine.paths import cache_root, config_root
 
 if TYPE_CHECKING:
     from engine.target import Target
@@ -43,7 +50,10 @@ log = logging.getLogger("tandem.prefix")
 DEFAULT_DISK_BYTES = 4 << 30
 MIN_DISK_TOKENS = 256  # shorter prefixes are quicker to prefill again than to keep on disk
 MAX_HEADER = 64 << 20
-FORMAT = "tandem-prefix-file-1"
+MAX_TREE_DEPTH = 32  # what pack writes is a few levels deep; a crafted header can be 10^5
+STALE_TMP_S = 3600.0  # a temporary file this old is removed even if its writer's pid is in use
+FORMAT = "tandem-prefix-file-2"
+KEY_FILE = "prefix-cache.key"
 
 
 def default_dir() -> Path:
@@ -123,26 +133,138 @@ def read_metadata(path: Path) -> dict[str, str] | None:
 
     try:
         header, _ = safetensors_header(path, max_bytes=MAX_HEADER)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     meta = header.get("__metadata__")
     return meta if isinstance(meta, dict) else None
 
 
-def _remove_if_stale(tmp: Path, age_s: float = 3600.0) -> None:
+def _is_int(value: Any, lo: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo
+
+
+def _check_skeleton(root: Any) -> None:
+    """What ``_skeleton`` writes: lists, ``{"$a": name}``, ``{"$d": {key: node}}`` and scalars,
+    at most ``MAX_TREE_DEPTH`` deep (walked without recursion)."""
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise ValueError(f"nested more than {MAX_TREE_DEPTH} levels")
+        if isinstance(node, list):
+            stack.extend((x, depth + 1) for x in node)
+        elif isinstance(node, dict):
+            if set(node) == {"$a"} and isinstance(node["$a"], str):
+                continue
+            if set(node) != {"$d"} or not isinstance(node["$d"], dict):
+                raise ValueError("an object that is neither an array reference nor a dict")
+            stack.extend((x, depth + 1) for x in node["$d"].values())
+        elif node is not None and not isinstance(node, (bool, int, float, str)):
+            raise ValueError(f"a {type(node).__name__} in the tree")
+
+
+def check_meta(meta: dict[str, str]) -> None:
+    """The shape of an entry's metadata, checked before any of it is used (a listed header is not
+    yet verified by its keyed hash). Raises ValueError naming what is wrong."""
+    for key in ("tokens", "classes", "floors", "tree"):
+        if not isinstance(meta.get(key), str):
+            raise ValueError(f"no '{key}' string")
+    n = len(decode_tokens(meta["tokens"]))
+    classes, floors = json.loads(meta["classes"]), json.loads(meta["floors"])
+    if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise ValueError("'classes' is not a list of names")
+    if not (isinstance(floors, list) and len(floors) == len(classes) and all(_is_int(f) for f in floors)):
+        raise ValueError("'floors' is not one integer per cache")
+    tree = json.loads(meta["tree"])
+    if not (isinstance(tree, dict) and isinstance(tree.get("final"), list) and isinstance(tree.get("marks"), dict)
+            and isinstance(tree.get("logits"), dict) and isinstance(tree.get("drafters"), list)):
+        raise ValueError("'tree' lacks final, marks, logits or drafters")
+    positions = [*tree["marks"], *tree["logits"]]
+    if not all(re.fullmatch(r"[0-9]{1,12}", p) and int(p) <= n for p in positions):
+        raise ValueError("a mark or logits position outside the tokens")
+    for layers in tree["marks"].values():
+        if not (isinstance(layers, dict) and all(re.fullmatch(r"[0-9]{1,6}", i) for i in layers)):
+            raise ValueError("a mark is not a map of layer -> state")
+    for d in tree["drafters"]:
+        if not (isinstance(d, list) and len(d) == 4 and isinstance(d[0], str) and _is_int(d[1]) and _is_int(d[2])):
+            raise ValueError("a drafter state is not [key, tokens, lookahead, tree]")
+    _check_skeleton([tree["final"], list(tree["marks"].values()), list(tree["logits"].values()),
+                     [d[3] for d in tree["drafters"]]])
+
+
+def install_key(folder: Path | None = None) -> bytes:
+    """The per-install secret that signs disk entries, from ``<config>/prefix-cache.key`` (created on
+    first use, readable by its owner only). Kept outside the cache folder on purpose: whoever can
+    write the cache must not be able to sign. A folder that cannot be written gets a key for this
+    process only (entries then last until it exits)."""
+    path = (folder or config_root()) / KEY_FILE
+
+    def read() -> bytes | None:
+        try:
+            text = path.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        return bytes.fromhex(text) if re.fullmatch(r"[0-9a-f]{64}", text) else None
+
+    key = read()
+    if key is not None:
+        return key
+    tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.{uuid.uuid4().hex}")
     try:
-        if time.time() - tmp.stat().st_mtime > age_s:
-            tmp.unlink()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex())
+        if path.exists():  # unreadable or malformed: replaced
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # two processes starting at once: the first one's key wins
+            except FileExistsError:
+                pass
+        key = read()
+    except OSError as e:
+        log.warning("prefix cache: cannot keep a key in %s (%s): disk entries last until this process exits",
+                    path, e.strerror or e)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return key if key is not None else os.urandom(32)
+
+
+def file_mac(data: bytes, key: bytes) -> str:
+    """The keyed hash a file's name carries (128 bits)."""
+    return hashlib.blake2b(data, key=key, digest_size=16).hexdigest()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's live process
+        return True
+    return True
+
+
+def _stale_tmp(tmp: Path) -> bool:
+    """A temporary file whose writer is gone (its pid, in the name, is not running) or that is older
+    than ``STALE_TMP_S``."""
+    m = re.fullmatch(r"\.tmp-([0-9]{1,10})-[0-9a-f]+\.safetensors", tmp.name)
+    try:
+        old = time.time() - tmp.stat().st_mtime > STALE_TMP_S
     except OSError:
-        pass
+        return False
+    return old or m is None or (int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))))
 
 
 # ----------------------------------------------------------------------------------------
 # The tier
 # ----------------------------------------------------------------------------------------
 class DiskTier:
-    def __init__(self, root: Path, entry_type: type, max_bytes: int | None = None, min_tokens: int | None = None):
+    def __init__(self, root: Path, entry_type: type, max_bytes: int | None = None, min_tokens: int | None = None,
+                 key: bytes | None = None):
         self.root = root
+        self._key = key  # None: ``install_key()``, read when first needed
         self.entry_type = entry_type
         self.max_bytes = DEFAULT_DISK_BYTES if max_bytes is None else max(0, int(max_bytes))
         self.min_tokens = MIN_DISK_TOKENS if min_tokens is None else max(1, int(min_tokens))
@@ -150,6 +272,12 @@ class DiskTier:
         self.dir: Path | None = None
         self._index: dict[Path, "Entry"] | None = None  # file -> its entry without arrays
         self.loads = self.saves = self.refused = 0
+
+    @property
+    def key(self) -> bytes:
+        if self._key is None:
+            self._key = install_key()
+        return self._key
 
     def bind(self, identity: str) -> None:
         self.identity = identity
@@ -162,16 +290,18 @@ class DiskTier:
             if self.dir is not None and self.dir.is_dir():
                 for path in sorted(self.dir.glob("*.safetensors")):
                     if path.name.startswith("."):
-                        _remove_if_stale(path)  # a write that was killed half way
+                        if _stale_tmp(path):  # a write that was killed half way
+                            path.unlink(missing_ok=True)
                         continue
                     meta = read_metadata(path)
                     if meta is None or meta.get("format") != FORMAT or meta.get("identity") != self.identity:
                         self._refuse(path, "unreadable header or another model's entry")
                         continue
                     try:
+                        check_meta(meta)
                         stub = unpack(self.entry_type, None, meta)
-                    except (KeyError, ValueError, TypeError):
-                        self._refuse(path, "malformed metadata")
+                    except Exception as e:  # any malformed header: refused, never a failed request
+                        self._refuse(path, f"malformed metadata ({type(e).__name__}: {str(e)[:80]})")
                         continue
                     stub.path = path
                     self._index[path] = stub
@@ -200,9 +330,8 @@ class DiskTier:
         except OSError as e:
             self._refuse(path, f"unreadable ({e.strerror or e})")
             return None
-        want = path.stem.rpartition("-")[2]
-        if f"{zlib.crc32(data):08x}" != want:
-            self._refuse(path, "checksum mismatch (truncated or damaged)")
+        if file_mac(data, self.key) != path.stem.rpartition("-")[2]:
+            self._refuse(path, "keyed hash mismatch (damaged, or not written by this install)")
             return None
         try:
             arrays, meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
@@ -235,9 +364,8 @@ class DiskTier:
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
             mx.save_safetensors(str(tmp), arrays, meta)
-            crc = zlib.crc32(tmp.read_bytes())
             stem = token_hash(entry.tokens)
-            path = self.dir / f"{stem}-{crc:08x}.safetensors"
+            path = self.dir / f"{stem}-{file_mac(tmp.read_bytes(), self.key)}.safetensors"
             os.replace(tmp, path)
             tmp = None
         except Exception as e:  # a full disk or a read-only folder must not fail the generation
@@ -247,15 +375,12 @@ class DiskTier:
             if tmp is not None:
                 tmp.unlink(missing_ok=True)
         listing = self._listing()
-        for old in [p for p in listing if p != path and (p.stem.rpartition("-")[0] == stem or p in entry.absorbed)]:
+        replaced = {p for p in listing if p.stem.rpartition("-")[0] == stem} | set(entry.absorbed) | {entry.path}
+        replaced -= {path, None}  # never the file just written: an entry restored from it, written again
+        for old in replaced:
             old.unlink(missing_ok=True)
             listing.pop(old, None)
-        for old in entry.absorbed:
-            old.unlink(missing_ok=True)
         entry.absorbed = []
-        if entry.path is not None and entry.path != path:
-            entry.path.unlink(missing_ok=True)
-            listing.pop(entry.path, None)
         entry.path = path
         stub = unpack(self.entry_type, None, meta)
         stub.path = path
@@ -271,7 +396,7 @@ class DiskTier:
             except OSError:
                 continue
             files.append((st.st_mtime, st.st_size, p))
-        total = sum(size for _, size, _ in files)
+        total = sum(size for _, size, _ in files) + self._temp_bytes()
         for _, size, p in sorted(files):
             if total <= self.max_bytes:
                 break
@@ -280,6 +405,16 @@ class DiskTier:
             p.unlink(missing_ok=True)
             self._listing().pop(p, None)
             total -= size
+
+    def _temp_bytes(self) -> int:
+        """Bytes in temporary files: other writers' entries in progress, which count toward the cap."""
+        total = 0
+        for p in self.dir.glob(".tmp-*") if self.dir is not None else ():
+            try:
+                total += p.stat().st_size
+            except OSError:
+                continue
+        return total
 
     def usage(self) -> tuple[int, int]:
         """(files, bytes) in this model's folder."""

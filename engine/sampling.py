@@ -56,7 +56,10 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         order = mx.argsort(-probs, axis=-1)
         sorted_p = mx.take_along_axis(probs, order, axis=-1)
         before = mx.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
-        keep_sorted = before < params.top_p  # always keeps the most likely token
+        # The most likely token is always kept: a top_p below float32's smallest value rounds to
+        # 0, where ``before < top_p`` would keep nothing (and sample token 0 from NaNs).
+        first = mx.arange(vocab) == 0
+        keep_sorted = (before < params.top_p) | first
         keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
         probs = mx.where(keep, probs, 0.0)
         probs = probs / probs.sum(axis=-1, keepdims=True)

@@ -27,6 +27,7 @@ def _private_cache() -> None:
         if (user / name).is_dir():
             (mine / name).symlink_to(user / name, target_is_directory=True)
     os.environ["TANDEM_CACHE_DIR"] = str(mine)
+    os.environ["TANDEM_CONFIG_DIR"] = str(mine / "config")  # the prefix cache's signing key, never the user's
 
 
 _private_cache()

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import engine.speculative as speculative
 from engine.drafters.base import Draft, Drafter
@@ -213,6 +215,33 @@ def test_truncation_keeps_top_k_and_nucleus():
     p = np.array(target_probs(logits, SamplingParams(temperature=1.0, top_p=0.9)))[0]
     keep = np.cumsum(full) - full < 0.9
     assert ((p > 0) == keep).all()
+
+
+def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
+    """top_p = 1e-46 is 0 in float32: the nucleus rule kept nothing and token 0 was sampled."""
+    logits = mx.array([[0.0, 1.0, 5.0, 2.0]])
+    for top_p in (1e-46, 5e-324, 1e-30):
+        params = SamplingParams(temperature=1.0, top_p=top_p, seed=0)
+        p = np.array(target_probs(logits, params))[0]
+        assert p.tolist() == [0.0, 0.0, 1.0, 0.0], (top_p, p)
+        sampler = Sampler(params)
+        assert {sampler.pick(logits).item() for _ in range(5)} == {2}
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(temperature=st.one_of(st.just(1e-300), st.floats(1e-8, 2.0)),
+       top_p=st.one_of(st.just(5e-324), st.floats(1e-300, 1.0)), top_k=st.integers(0, 12),
+       logits=st.lists(st.floats(-1e4, 1e4), min_size=1, max_size=10), seed=st.integers(0, 2**32 - 1))
+def test_fuzzed_sampling_parameters_give_a_distribution_that_keeps_the_top_token(temperature, top_p, top_k,
+                                                                                    logits, seed):
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    row = mx.array([logits])
+    p = np.array(target_probs(row, params))[0]
+    assert np.isfinite(p).all() and (p >= 0).all() and abs(p.sum() - 1) < 1e-4, p
+    full = np.array(target_probs(row, SamplingParams(temperature=temperature)))[0]
+    assert full[p > 0].max() == full.max()  # a most likely token survives (of tied ones, any)
+    token = Sampler(params).pick(row).item()
+    assert p[token] > 0
 
 
 def test_seed_makes_sampling_reproducible(tiny_llama):

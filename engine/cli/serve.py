@@ -45,7 +45,8 @@ def api_key_from(args: argparse.Namespace) -> str | None:
     if args.api_key:
         print(f"tandem: note: --api-key is visible to other users of this machine (ps); ${API_KEY_ENV} or "
               "--api-key-file keep it private", file=sys.stderr)
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    # Spaces around a key (a quoted export, a pasted line) are never part of it: clients strip them too.
+    return (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

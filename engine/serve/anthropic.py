@@ -118,7 +118,10 @@ def parse_tools(tools: Any, tool_choice: Any, ignored: list[str]) -> list[dict] 
         if t.get("type") not in (None, "custom") and "input_schema" not in t:
             ignored.append(f"tools[{i}] ({t['type']}: a server tool)")
             continue
-        schema = t.get("input_schema") or {"type": "object", "properties": {}}
+        schema = t.get("input_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise RequestError(f"tools[{i}].input_schema must be a JSON Schema object", param=f"tools[{i}].input_schema")
+        schema = schema or {"type": "object", "properties": {}}
         out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                                      "parameters": schema}})
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "tool":
@@ -171,8 +174,9 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def context_error(n_prompt: int, limit: int) -> RequestError:
-    # Claude Code recognises this wording and offers to compact the conversation.
+def context_error(n_prompt: int, limit: int, *, at_least: bool = False) -> RequestError:
+    # Claude Code recognises this wording and offers to compact the conversation (``at_least``: a
+    # lower bound, from the prompt's size in bytes; the wording stays the same).
     return RequestError(f"prompt is too long: {n_prompt} tokens > {limit} maximum", param="messages")
 
 

@@ -23,6 +23,7 @@ of a tag, so a tag split across stream chunks is still found.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import uuid
@@ -108,31 +109,79 @@ def tools_as_text(messages: Sequence[dict], tools: Sequence[dict] | None) -> lis
     return out
 
 
-def chatml(messages: Sequence[dict]) -> str:
-    """The fallback rendering for a tokenizer without a chat template."""
+def chatml(messages: Sequence[dict], *, prefill: bool = False) -> str:
+    """The fallback rendering for a tokenizer without a chat template (``prefill``: the last
+    message is the assistant's reply so far, left open)."""
+    if prefill:
+        *messages, last = messages
+        return chatml(messages) + last["content"]
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) for canonical messages, ending with the assistant's turn."""
+class PromptTooLong(TandemError):
+    """The rendered prompt has more bytes than a tokenizer could fit in the context."""
+
+    def __init__(self, n_bytes: int, max_bytes: int):
+        super().__init__(f"the prompt has {n_bytes} bytes, more than the {max_bytes} the context can hold")
+        self.n_bytes, self.max_bytes = n_bytes, max_bytes
+
+
+MIN_BYTES_PER_TOKEN = 16  # floor of the bound below, for tokenizers that map unknown text to one token
+
+
+@functools.lru_cache(maxsize=4)
+def bytes_per_token_bound(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of text one token can stand for: its longest vocabulary entry (for
+    byte-level BPE an overestimate, as bytes >= 0x80 are written as two-byte characters; for
+    SentencePiece too, as the space mark takes three), at least ``MIN_BYTES_PER_TOKEN``. A prompt
+    of more than ``context x this`` bytes cannot fit, so it is refused before it is tokenized."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer that cannot list its vocabulary: a generous bound
+        return 256
+    return max([MIN_BYTES_PER_TOKEN] + [len(t.encode("utf-8", "replace")) for t in vocab])
+
+
+def encode_bounded(tokenizer: Any, text: str, max_bytes: int | None, **kw: Any) -> list[int]:
+    """``tokenizer.encode(text)``, refused (``PromptTooLong``) before any work when ``text`` has more
+    than ``max_bytes`` bytes: tokenizing a 30 MiB prompt takes seconds of CPU."""
+    if max_bytes is not None:
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > max_bytes:
+            raise PromptTooLong(n, max_bytes)
+    return list(tokenizer.encode(text, **kw))
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+                max_bytes: int | None = None) -> tuple[str, list[int]]:
+    """(prompt text, token ids) for canonical messages, ending with the assistant's turn. A final
+    assistant message (without tool calls) is a prefill: the reply continues it, as OpenAI-compatible
+    servers and Anthropic's API do. ``max_bytes``: see ``encode_bounded``."""
     if not messages:
         raise TandemError("'messages' is empty: give at least one message")
+    last = messages[-1]
+    prefill = last["role"] == "assistant" and not last.get("tool_calls")
+    if prefill and not last.get("content"):  # nothing to continue: a plain generation prompt
+        messages, prefill = messages[:-1], False
+        if not messages:
+            raise TandemError("'messages' holds only an empty assistant message: give a user message")
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     template = getattr(tokenizer, "chat_template", None)
     if template and (template_supports_tools(tokenizer) or not (tools or has_tool_turns)):
         try:
             text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                 add_generation_prompt=True, tokenize=False)
+                                                 add_generation_prompt=not prefill, continue_final_message=prefill,
+                                                 tokenize=False)
         except Exception as e:  # jinja raise_exception(), a template that needs other fields
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise TandemError(f"the model's chat template rejected these messages: {first}") from None
         # The template writes BOS and other specials itself.
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        return text, encode_bounded(tokenizer, text, max_bytes, add_special_tokens=False)
     plain = tools_as_text(messages, tools)
     if template:
-        return render_chat(tokenizer, plain, None)
-    text = chatml(plain)
-    return text, list(tokenizer.encode(text))
+        return render_chat(tokenizer, plain, None, max_bytes=max_bytes)
+    text = chatml(plain, prefill=prefill)
+    return text, encode_bounded(tokenizer, text, max_bytes)
 
 
 def opens_thinking(prompt_text: str) -> bool:

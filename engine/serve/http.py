@@ -1,13 +1,17 @@
 """The server's HTTP layer: reading requests, authorizing them, writing JSON and SSE replies.
 
 The standard library's ``ThreadingHTTPServer`` serves one thread per connection (no dependency;
-the traffic is one local user's). SSE is written with chunked transfer encoding, so streaming
-connections stay reusable. A handler notices a client that left (a zero-timeout ``select`` plus
-a ``MSG_PEEK``, or a failed write) and raises ``ClientGone``.
+the traffic is one local user's), at most ``MAX_CONNECTIONS`` at once (more get a 503 from the
+accepting thread), and a connection idle for ``HEADER_TIMEOUT`` while its next request's head is
+awaited is closed. SSE is written with chunked transfer encoding, so streaming connections stay
+reusable; HTTP/1.0 clients get the bare stream, ended by closing. ``Connection: close`` and
+HTTP/1.0 are honoured on every reply, errors included. A handler notices a client that left (a
+zero-timeout ``select`` plus a ``MSG_PEEK``, or a failed write) and raises ``ClientGone``.
 
 What a hostile client or a web page can send is refused before any work is done:
 
-* Bodies: ``Content-Length`` must be plain digits, at most ``MAX_BODY``, and the body is read to
+* Bodies, on every method (a GET body left unread would be parsed as the next request):
+  ``Content-Length`` must be plain digits, at most ``MAX_BODY``, and the body is read to
   exactly that length (400/411/413 before reading); chunked bodies are read with bounded lines,
   sizes checked before each chunk is read, framing counted against the limit, at most
   ``MAX_CHUNKS`` chunks. JSON must be
@@ -30,6 +34,7 @@ import re
 import select
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -49,6 +54,9 @@ MAX_LINE = 1024  # a chunk-size or trailer line
 MAX_TRAILERS = 64
 MAX_CHUNKS = 1 << 16  # a flood of tiny chunks costs a thread seconds of parsing
 MAX_JSON_DEPTH = 100
+MAX_CONNECTIONS = 128  # open connections, each served by its own thread; more get a 503 at once
+HEADER_TIMEOUT = 30.0  # s: a connection idle while its next request's head is awaited is closed
+LISTEN_BACKLOG = 128  # connections the kernel queues while the server accepts (socketserver's was 5)
 
 _CONTROL_CHARS = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 _CONTROL_CHARS[ord("\\")] = "\\\\"
@@ -155,8 +163,8 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     protocol_version = "HTTP/1.1"
     server_version = "tandem"
-    timeout = 600  # an idle keep-alive connection lets its thread go after this long
-    _endpoint, _sse_open, _body_read, _last_write = "other", False, True, 0.0
+    timeout = 600  # a request's socket reads and writes (its body, a stream) give up after this long
+    _endpoint, _sse_open, _body_read, _last_write, _chunked = "other", False, True, 0.0, True
     _cors_origin: str | None = None  # an allowed browser Origin to answer with CORS headers
 
     @property
@@ -165,6 +173,18 @@ class RequestHandler(BaseHTTPRequestHandler):
         return self.server.tandem  # type: ignore[attr-defined]
 
     # -- plumbing -------------------------------------------------------------------------------
+    def handle_one_request(self) -> None:
+        """One request; while its head is awaited (a fresh connection or a kept-alive one) the socket
+        times out after the server's ``header_timeout``, so idle clients do not keep a thread."""
+        self._endpoint = "other"
+        self.connection.settimeout(getattr(self.server, "header_timeout", HEADER_TIMEOUT))
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.connection.settimeout(self.timeout)  # the head is in: the request's own time limits
+        return ok
+
     def log_message(self, fmt: str, *args: Any) -> None:
         log.info("%s %s", self.address_string(), escape_log(fmt % args))
 
@@ -212,11 +232,17 @@ class RequestHandler(BaseHTTPRequestHandler):
         self._json(status, _DIALECTS[self._dialect].error_body(message, kind, param, code))
 
     def _start_sse(self) -> None:
+        """Open a stream: chunked for HTTP/1.1; an HTTP/1.0 client cannot parse chunks, so it gets the
+        bare stream, ended by closing the connection."""
+        self._chunked = self.request_version == "HTTP/1.1"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("X-Accel-Buffering", "no")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
         self.end_headers()
         self._sse_open = True
 
@@ -225,12 +251,14 @@ class RequestHandler(BaseHTTPRequestHandler):
         if not data:
             return
         try:
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
         except OSError:  # BrokenPipe, ConnectionReset: the client left
             raise ClientGone() from None
         self._last_write = time.monotonic()
 
     def _end_sse(self) -> None:
+        if not self._chunked:
+            return  # the connection's close ends it
         try:
             self.wfile.write(b"0\r\n\r\n")
         except OSError:
@@ -249,8 +277,12 @@ class RequestHandler(BaseHTTPRequestHandler):
         if not key:
             return True
         auth = self.headers.get("Authorization", "")
-        given = auth[7:].strip() if auth.lower().startswith("bearer ") else self.headers.get("x-api-key", "")
-        return hmac.compare_digest(given.encode(), key.encode())
+        given = auth[7:] if auth.lower().startswith("bearer ") else self.headers.get("x-api-key", "")
+        return hmac.compare_digest(given.strip().encode(), key.encode())  # the server's key is stripped too
+
+    def _declares_body(self) -> bool:
+        return bool(self.headers.get_all("Transfer-Encoding")) or any(
+            v.strip() != "0" for v in self.headers.get_all("Content-Length") or [])
 
     def _read_body(self) -> bytes:
         """The request body, within ``MAX_BODY``; malformed framing is refused before reading."""
@@ -333,19 +365,24 @@ class RequestHandler(BaseHTTPRequestHandler):
         if not access.host_allowed(host):
             name = escape_log(str(_host_name(host or "") or host))[:80]
             raise RequestError(f"Host '{name}' is not one this server answers to (DNS rebinding guard); "
-                               f"to allow it, start tandem serve with --allow-host {name}", status=403)
+                               f"to allow it, start tandem serve with --allow-host {name}", status=403,
+                               kind="permission_error")
         origin = self.headers.get("Origin")
         if origin is not None:
             if not access.origin_allowed(origin):
                 raise RequestError(f"requests from web pages (Origin '{escape_log(origin)[:80]}') are refused; "
-                                   "to allow a page, start tandem serve with --allow-origin ORIGIN", status=403)
+                                   "to allow a page, start tandem serve with --allow-origin ORIGIN", status=403,
+                                   kind="permission_error")
             self._cors_origin = origin.strip()
         elif self.headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site"):
-            raise RequestError("requests from other sites' web pages are refused", status=403)
+            raise RequestError("requests from other sites' web pages are refused", status=403, kind="permission_error")
 
     # -- dispatch -------------------------------------------------------------------------------
     def _handle(self, routes: dict, get: bool) -> None:
-        self._endpoint, self._sse_open, self._body_read, self._cors_origin = "other", False, get, None
+        # A POST's body is read by its route; a GET or HEAD with one (rare, and a smuggling vector:
+        # unread, it would be parsed as the next request) has it read below, or the connection closes.
+        self._endpoint, self._sse_open, self._cors_origin = "other", False, None
+        self._body_read = get and not self._declares_body()
         self._last_write = time.monotonic()
         route = self._route()
         fn = routes.get(route)
@@ -355,16 +392,17 @@ class RequestHandler(BaseHTTPRequestHandler):
             self._check_access()
             if fn is None:
                 other = "POST" if get else "GET"
-                self.close_connection = not self._body_read
                 raise RequestError(f"no route {self.command} {urlsplit(self.path).path}"
                                    + (f" (try {other})" if route in ("/chat/completions", "/completions", "/messages",
                                                                     "/models", "/health", "/metrics", "/events") else ""),
                                    status=404, kind="not_found_error")
-            self._endpoint = route
+            self._endpoint = "/models/{id}" if route.startswith("/models/") else route  # a fixed label set
             if route != "/health" and not self._authorized():
-                self.close_connection = not self._body_read
                 raise RequestError("invalid API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                    status=401, kind="authentication_error")
+            if get and not self._body_read:  # a GET or HEAD that came with a body: read within the limits, dropped
+                self._read_body()
+                self._body_read = True
             fn()
         except ClientGone:
             self.close_connection = True
@@ -380,7 +418,7 @@ class RequestHandler(BaseHTTPRequestHandler):
     def do_OPTIONS(self) -> None:
         """CORS preflight: answered for allowed origins only (no CORS headers otherwise)."""
         self._endpoint, self._sse_open, self._cors_origin = "other", False, None
-        self._body_read = not (self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0")
+        self._body_read = not self._declares_body()
         try:
             self._check_access()
         except RequestError as e:
@@ -416,8 +454,42 @@ class RequestHandler(BaseHTTPRequestHandler):
 
 
 class HTTPServer(ThreadingHTTPServer):
+    """One thread per open connection, at most ``max_connections`` of them: a connection beyond
+    that gets a 503 from the accepting thread and is closed, so a flood of idle sockets costs no
+    threads; an idle one is closed after ``header_timeout``."""
+
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, *args: Any, **kw: Any):
+        self.max_connections, self.header_timeout = MAX_CONNECTIONS, HEADER_TIMEOUT
+        self._open = 0
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            self._open += not full
+        if not full:
+            super().process_request(request, client_address)
+            return
+        body = b'{"error": {"type": "overloaded_error", "message": "too many open connections"}}'
+        try:
+            request.setblocking(False)
+            request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        except OSError:
+            pass
+        self.close_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open -= 1
 
     def shutdown_request(self, request: Any) -> None:
         """Close gently: a client still sending a body we refused (413) must get to read the answer,

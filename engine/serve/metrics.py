@@ -12,6 +12,11 @@ from typing import Any
 EVENT_QUEUE = 512  # per /events subscriber
 
 
+def label_value(text: str) -> str:
+    """A label value as the exposition format escapes it (backslash, double quote, newline)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 _BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -86,7 +91,7 @@ class Metrics:
                              f"tandem_{name}{labels} {value}" for labels, value in samples)
 
             metric("requests_total", "counter", "HTTP requests by endpoint and status",
-                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+                   [(f'{{endpoint="{label_value(e)}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
             metric("requests_in_flight", "gauge", "generation requests being answered", [("", self.in_flight)])
             metric("queue_depth", "gauge", "generation requests waiting for the engine", [("", self.queued)])
             metric("batch_occupancy", "gauge", "requests decoding together in the engine's batch",

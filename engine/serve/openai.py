@@ -116,8 +116,12 @@ def parse_tools(tools: Any, tool_choice: Any) -> list[dict] | None:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise RequestError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                                param=f"tools[{i}]")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RequestError(f"tools[{i}].function.parameters must be a JSON Schema object",
+                               param=f"tools[{i}].function.parameters")
         spec = {"name": fn["name"], "description": fn.get("description") or "",
-                "parameters": fn.get("parameters") or {"type": "object", "properties": {}}}
+                "parameters": params or {"type": "object", "properties": {}}}
         out.append({"type": "function", "function": spec})
     if isinstance(tool_choice, dict):  # one named function: offer only that one
         fn = tool_choice.get("function")
@@ -210,9 +214,10 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def context_error(n_prompt: int, limit: int) -> RequestError:
+def context_error(n_prompt: int, limit: int, *, at_least: bool = False) -> RequestError:
     return RequestError(f"This model's maximum context length is {limit} tokens. However, your prompt is "
-                        f"{n_prompt} tokens. Please shorten it.", param="messages", code="context_length_exceeded")
+                        f"{'at least ' * at_least}{n_prompt} tokens. Please shorten it.", param="messages",
+                        code="context_length_exceeded")
 
 
 class ChatWriter:

@@ -1,9 +1,14 @@
 """The server's routes: generation in both dialects, models, health, metrics and events.
 
 A generation request is parsed by its dialect (``engine.serve.openai`` / ``anthropic``), its prompt
-rendered with the tokenizer (under a lock: tokenizers are not thread-safe), then queued for the
-engine thread as a ``Job``; the handler relays the job's chunks to the socket as they come, with
-keep-alives while it waits, and cancels the job when the client leaves."""
+rendered and tokenized in the handler's own thread, then queued for the engine thread as a
+``Job``; the handler relays the job's chunks to the socket as they come, with keep-alives while
+it waits, and cancels the job when the client leaves.
+
+One client must not stall the others: a prompt is checked against the context before the costly
+part (token ids by count; text by bytes, against ``context x bytes_per_token_bound``, before it is
+tokenized), and tokenizing holds no lock, so a big prompt costs its own thread's time only. The
+engine thread then prefills at most a context's worth of tokens."""
 
 from __future__ import annotations
 
@@ -14,8 +19,9 @@ from typing import Any, Callable, Iterator
 
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
-from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
-                                      opens_thinking, render_chat)
+from engine.serve.chat_format import (GenSpec, OutputParser, PromptTooLong, Reply, RequestError,
+                                      bytes_per_token_bound, encode_bounded, matched_stop, new_id, opens_thinking,
+                                      render_chat)
 from engine.serve.http import ClientGone, RequestHandler
 from engine.serve.worker import Job
 
@@ -117,25 +123,48 @@ class Handler(RequestHandler):
 
     def _count_tokens(self) -> None:
         spec = anthropic_api.parse_request(self._read_json(), count_only=True)
-        _, ids = self._render(self._engine(), spec)
+        _, ids = self._render(self._engine(), spec, anthropic_api)
         self._json(200, {"input_tokens": len(ids)})
 
-    def _render(self, engine: Any, spec: GenSpec) -> tuple[str, list[int]]:
-        with self.tandem.tokenizer_lock:
-            if spec.kind == "chat":
-                return render_chat(engine.tokenizer, spec.messages, spec.tools)
-            if isinstance(spec.prompt, str):
-                return spec.prompt, engine.encode(spec.prompt, chat_template=False)
+    def _tokenizer(self, engine: Any) -> Any:
+        """The engine's tokenizer, for use without a lock: encoding and decoding only read it. The one
+        call that may change it (transformers drops a truncation or padding setting a tokenizer.json
+        carries, on the first encode) runs once, under the lock, before any concurrent use."""
+        srv, tok = self.tandem, engine.tokenizer
+        if srv.settled_tokenizer is not tok:
+            with srv.tokenizer_lock:
+                if srv.settled_tokenizer is not tok:
+                    tok.encode("settle")
+                    srv.settled_tokenizer = tok
+        return tok
+
+    def _render(self, engine: Any, spec: GenSpec, dialect: Any) -> tuple[str, list[int]]:
+        """(prompt text, token ids), refused with the dialect's context error before tokenizing when
+        the prompt cannot fit (see the module doc)."""
+        tok, limit = self._tokenizer(engine), self.tandem.max_context
+        if isinstance(spec.prompt, list):  # completions by token ids
+            if limit and len(spec.prompt) >= limit:
+                raise dialect.context_error(len(spec.prompt), limit)
             vocab = engine.target.vocab_size
             if any(t >= vocab for t in spec.prompt):
                 raise RequestError(f"'prompt' has a token id outside the vocabulary (size {vocab})", param="prompt")
-            return engine.tokenizer.decode(spec.prompt), list(spec.prompt)
+            return tok.decode(spec.prompt), list(spec.prompt)
+        per_token = bytes_per_token_bound(tok)
+        max_bytes = limit * per_token if limit else None
+        try:
+            if spec.kind == "chat":
+                return render_chat(tok, spec.messages, spec.tools, max_bytes=max_bytes)
+            if not spec.prompt.strip():
+                raise RequestError("'prompt' is only whitespace: give some text to continue", param="prompt")
+            return spec.prompt, encode_bounded(tok, spec.prompt, max_bytes)
+        except PromptTooLong as e:  # at least this many tokens, whatever the tokenizer makes of it
+            raise dialect.context_error(-(-e.n_bytes // per_token), limit, at_least=True) from None
 
     def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
         t0 = time.perf_counter()
         srv, cfg = self.tandem, self.tandem.config
         engine = self._engine()
-        prompt_text, ids = self._render(engine, spec)
+        prompt_text, ids = self._render(engine, spec, dialect)
         if writer is None:
             writer = openai_api.CompletionWriter(spec, prompt_text)
         limit = srv.max_context
@@ -210,8 +239,7 @@ class Handler(RequestHandler):
     def _finish_reply(self, reply: Reply, result: Any, spec: GenSpec, job: Job) -> None:
         reply.result = result
         if result.finish_reason == "stop" and spec.stop:
-            with self.tandem.tokenizer_lock:
-                full = self.tandem.worker.engine.tokenizer.decode(result.token_ids, skip_special_tokens=False)
+            full = self.tandem.worker.engine.tokenizer.decode(result.token_ids, skip_special_tokens=False)
             reply.stop_sequence = matched_stop(full, spec.stop)
         reply.x_tandem = {**result.to_dict(), "ttft_s": round(result.ttft_s, 4),
                           "queue_s": round(job.started - job.submitted, 4)}

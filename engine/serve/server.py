@@ -22,7 +22,9 @@ rendering and output parsing shared by both).
   written for ``keepalive_s`` (long queue waits and prefills), so clients and proxies don't time out.
 * Bad JSON or a bad field: 400 with the dialect's error body. A prompt longer than the model's
   context (``max_position_embeddings`` from the config, or ``--max-context``): 400 naming both
-  numbers; ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+  numbers (a prompt too many bytes long to fit is refused before it is tokenized, see
+  ``routes``); ``max_tokens`` beyond the context is clipped to what fits (``finish_reason: length``).
+* A final assistant message is a prefill: the reply continues it.
 * Web pages are refused (Host and Origin checks, ``engine.serve.http``): ``--allow-host`` and
   ``--allow-origin`` open it up where wanted.
 * Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
@@ -96,12 +98,13 @@ class TandemServer:
     def __init__(self, engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
                  api_key: str | None = None, config: ServerConfig | None = None):
         self.config = config or ServerConfig()
-        self.api_key = api_key or None
+        self.api_key = (api_key or "").strip() or None  # the handler strips what clients send, too
         self.metrics = Metrics()
         self.events = EventHub(self.metrics)
         self.worker = EngineWorker(engine_factory, self.events, self.metrics, max_batch=self.config.max_batch,
                                    max_queue=self.config.max_queue)
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = threading.Lock()  # only for the tokenizer's first use (routes.Handler._tokenizer)
+        self.settled_tokenizer: Any = None
         self.started_at = time.time()
         try:
             self.httpd = HTTPServer((host, port), Handler)
