@@ -5,8 +5,8 @@ them with the same rules per row. A tick is:
 
 1. **One prefill chunk** of the oldest sequence still prefilling (chunk boundaries at multiples of
    ``PREFILL_CHUNK`` from token 0, as ``Target.prefill`` puts them, so a row's caches are what a
-   lone prefill leaves). Rows already decoding wait for one chunk at most, never a whole prompt;
-   with none decoding the prefill runs on.
+   lone prefill leaves). Rows already decoding, and requests arriving, wait for one chunk at
+   most, never a whole prompt.
 2. **One round for every decoding row** in one target forward: each row asks its own cap policy,
    its own drafter proposes (drafters run per row; their state is per row), and the verify carries
    each row's ``[anchor] + drafts``, padded to the widest with filler rows that are never
@@ -147,15 +147,10 @@ class BatchLoop:
         """One prefill chunk (if a row is prefilling), then one round for every decoding row."""
         out: list[Emitted] = []
         prefilling = [r for r in self.rows if not r.done and not r.decoding]
-        if prefilling:
-            row = prefilling[0]
-            while True:
-                first = self._prefill_chunk(row)
-                if first is not None:
-                    out.append(first)
-                    break
-                if any(r.decoding for r in self.rows):
-                    break  # decoding rows wait for one chunk at most
+        if prefilling:  # one chunk a tick: decoding rows, and requests arriving, wait one chunk at most
+            first = self._prefill_chunk(prefilling[0])
+            if first is not None:
+                out.append(first)
         decoding = [r for r in self.rows if r.decoding and not any(e.row is r and e.done for e in out)]
         if decoding:
             out.extend(self._round(decoding))

@@ -5,6 +5,7 @@ rows are exact samples of the target; the server answers concurrent clients toge
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import threading
@@ -302,3 +303,54 @@ def test_server_full_queue_answers_503_with_retry_after(batch_server):
         for th in threads:
             th.join(60)
     assert statuses.count(200) >= 3
+
+
+def test_stress_random_arrivals_lengths_and_cancellations():
+    """50 requests arriving at random ticks with random lengths, caps and modes, a fifth cancelled
+    at a random tick: every one ends (result or cancelled), occupancy returns to 0, each finished
+    one equals its request alone, and a second identical run holds no more memory than the first."""
+    eng = make_tiny_engine("gemma3", seed=9)
+    rng = np.random.default_rng(0)
+    plan = []
+    for i in range(50):
+        prompt = [int(t) for t in rng.integers(2, 90, size=int(rng.integers(2, 40)))]
+        plan.append(dict(prompt=prompt, arrive=int(rng.integers(0, 60)), mode=str(rng.choice(["baseline", "lookup"])),
+                         max_new_tokens=int(rng.integers(1, 20)), max_draft=int(rng.integers(1, 6)),
+                         cancel_at=int(rng.integers(1, 15)) if i % 5 == 0 else None))
+
+    def run_once() -> list:
+        batcher = Batcher(eng, 4)
+        tickets: list = [None] * len(plan)
+        tick = 0
+        while tick < 60 or batcher.busy:
+            for i, p in enumerate(plan):
+                if p["arrive"] == tick:
+                    flag = {"n": 0}
+
+                    def cancel(p=p, flag=flag) -> bool:
+                        flag["n"] += 1
+                        return p["cancel_at"] is not None and flag["n"] >= p["cancel_at"]
+
+                    tickets[i] = batcher.submit(p["prompt"], mode=p["mode"], max_new_tokens=p["max_new_tokens"],
+                                                max_draft=p["max_draft"], prefix_cache=False, cancel=cancel)
+            batcher.step()
+            tick += 1
+            assert batcher.occupancy <= 4
+        assert batcher.occupancy == 0 and not batcher.busy
+        return tickets
+
+    def outcomes() -> tuple[list, int]:
+        """Each request's (tokens, finish reason), and the memory MLX holds once its tickets
+        (and with them the rows' caches) are gone."""
+        got = [(t.result.token_ids, t.result.finish_reason) for t in run_once()]
+        gc.collect()
+        return got, mx.get_active_memory()
+
+    first, held_first = outcomes()
+    second, held_second = outcomes()
+    assert first == second and held_second <= held_first + (256 << 10)
+    for p, (tokens, reason) in zip(plan, first):
+        if reason != "cancelled":
+            want = alone(eng, p["prompt"], mode=p["mode"], max_new_tokens=p["max_new_tokens"], max_draft=p["max_draft"])
+            assert_same_greedy(eng.model, p["prompt"], want.token_ids, tokens, "stress")
+    assert sum(reason == "cancelled" for _, reason in first) >= 5
