@@ -20,12 +20,14 @@ import mlx_dspark  # noqa: F401  (its import shim must run before mlx-vlm's load
 import numpy as np
 import pytest
 from mlx_dspark.load import load_dflash, load_drafter as load_dspark
+from mlx_dspark.target import Target
 from mlx_vlm.speculative.drafters import load_drafter as load_vlm_drafter
 
 from engine.api import load
 from engine.sampling import Sampler, SamplingParams
 from tests import drafter_ckpt as ck
 from tests.test_mtp import qwen3_5_folder
+from tests.test_train import tiny  # noqa: F401  (a fixture: a tiny target and its own answers)
 from tests.tiny import make_tiny_engine
 
 GREEDY = Sampler(SamplingParams())
@@ -46,13 +48,14 @@ def target_rows(engine, taps, ids: list[int]) -> mx.array:
     return hidden
 
 
-def run_rounds(ours, ref, ids: list[int], hidden: mx.array, plan=PLAN) -> list[tuple[list[int], list[int]]]:
+def run_rounds(ours, ref, ids: list[int], hidden: mx.array, plan=PLAN, prompt: int = PROMPT, distinct: int = 4
+               ) -> list[tuple[list[int], list[int]]]:
     """Both drafters through the same rounds; asserts each round's logits and greedy drafts
     agree, and returns (our drafts, the reference's drafts) per round."""
     k = min(K, ours.max_draft)
-    ours.begin(ids[:PROMPT], hidden[:PROMPT])
-    ref.begin(ids[:PROMPT], hidden[:PROMPT], ids[PROMPT])
-    done, out = PROMPT, []
+    ours.begin(ids[:prompt], hidden[:prompt])
+    ref.begin(ids[:prompt], hidden[:prompt], ids[prompt])
+    done, out = prompt, []
     for accepted in plan:
         mine_logits, mine = ours_round(ours, ids[: done + 1], k)
         theirs_logits, theirs = ref.propose(ids[: done + 1], k)
@@ -65,7 +68,7 @@ def run_rounds(ours, ref, ids: list[int], hidden: mx.array, plan=PLAN) -> list[t
         ours.commit(ids[: done + n + 1], n, hidden[done : done + n])
         ref.commit(ids, done, accepted, hidden[done : done + n])
         done += n
-    assert len({t for mine, _ in out for t in mine}) >= 4  # drafts that follow the context
+    assert len({t for mine, _ in out for t in mine}) >= distinct  # drafts that follow the context
     return out
 
 
@@ -90,14 +93,12 @@ class DSparkRef:
 
     def __init__(self, path, target_model):
         self.model, self.cfg = load_dspark(str(path), quantize=False)
-        if not self.cfg.has_own_lm_head:  # a head that reuses the target's (train-drafter's)
-            from mlx_dspark.target import Target
-
-            self.model.bind_lm_head(Target(target_model, None).lm_head_proj)
+        self.model.set_dtype(mx.float32)  # the dtype ours computes in on this CPU (a float16 file stays exact)
+        target = Target(target_model, None)
+        if not self.cfg.has_own_lm_head:  # train-drafter's: the target's embedding and head
+            self.model.bind_lm_head(target.lm_head_proj)
         if not self.cfg.has_own_embed:
-            from mlx_dspark.target import Target
-
-            self.model.bind_embed(Target(target_model, None).draft_embed)
+            self.model.bind_embed(target.draft_embed)
 
     def begin(self, prompt, rows, first):
         self.ctx = self.model.make_ctx_cache()
@@ -293,3 +294,94 @@ def test_qwen3_5_mtp_matches_mlx_vlm(tmp_path):
     assert kind == "mtp"
     ids = sequence(engine.target.vocab_size, seed=5)
     run_rounds(ours, ChainRef(model, engine.model), ids, target_rows(engine, ours.tap_layers, ids), plan=(0,) * 5)
+
+
+# ----------------------------------------------------------------------------------------
+# The peer loads what train-drafter writes, and drafts the same tokens
+# ----------------------------------------------------------------------------------------
+class OursAsRef:
+    """Our own DSpark drafter behind the reference's interface (an old folder against a new one)."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def begin(self, prompt, rows, first):
+        self.drafter.begin(prompt, rows)
+
+    def propose(self, ids, k):
+        return ours_round(self.drafter, ids, k)
+
+    def commit(self, ids, done, accepted, rows):
+        self.drafter.commit(ids[: done + accepted + 2], accepted + 1, rows)
+
+
+def full_vocab_drafter(engine, folder, draft_vocab: int | None = 0):
+    """Our DSpark drafter for ``folder``; ``draft_vocab=0`` over the full vocabulary, as the peer
+    drafts from a head without ``d2t``."""
+    from engine.drafters.checkpoint import load_checkpoint
+    from engine.drafters.dspark import DSparkDrafter
+
+    model, cfg = load_checkpoint(folder, engine.target, mode="dspark", draft_vocab=draft_vocab)
+    return DSparkDrafter(model, cfg, engine.target, confidence_threshold=0)
+
+
+def peer_round_trip(engine, folder, prompt: list[int], answer: list[int], max_new_tokens: int, distinct: int = 4) -> None:
+    """``folder`` loads in mlx-dspark with no error, drafts there what it drafts here over the
+    rounds of ``answer``, and its greedy speculative output there is the peer's own baseline."""
+    from mlx_dspark import greedy_generate, speculative_generate
+
+    peer = DSparkRef(folder, engine.model)  # load_drafter refuses a folder it cannot run
+    ours = full_vocab_drafter(engine, folder)
+    ids = prompt + answer
+    run_rounds(ours, peer, ids, target_rows(engine, ours.tap_layers, ids), plan=(1, 0, 2, 0, 1), prompt=len(prompt),
+               distinct=distinct)
+    target = Target(engine.model, engine.tokenizer)
+    common = dict(prompt_ids=prompt, max_new_tokens=max_new_tokens, temperature=0.0)
+    spec = speculative_generate(target, engine.tokenizer, peer.model, lookup_drafts=False,
+                                max_draft_tokens=peer.model.max_draft, **common)
+    base = greedy_generate(target, engine.tokenizer, **common)
+    n = len(base.token_ids)
+    assert len(spec.token_ids) >= n and spec.token_ids[:n] == base.token_ids  # (its last round may pass the budget)
+    assert spec.num_rounds < len(spec.token_ids) - 1  # drafts were accepted there
+
+
+@pytest.mark.slow
+def test_shipped_drafter_round_trips_through_mlx_dspark(starter_engine, tmp_path):
+    """The shipped starter drafter (train-drafter's, re-exported without d2t/t2d) runs in the
+    peer; and the folder as it was shipped before, with d2t/t2d, drafts exactly as it does now."""
+    import json
+    import shutil
+
+    from engine.drafters.checkpoint import DRAFT_VOCAB_FILE, vocab_tensors
+    from engine.paths import resources_dir
+
+    engine = starter_engine
+    folder = resources_dir() / "drafters" / "smollm2-135m-dspark"
+    prompt = engine.encode("Write a Python function that returns the squares of a list of numbers.")
+    answer = engine.generate(prompt, mode="baseline", max_new_tokens=16).token_ids
+    peer_round_trip(engine, folder, prompt, answer, max_new_tokens=16)  # the peer decodes slowly on a CPU
+    # The old folder: the same tensors plus d2t/t2d listing draft_vocab.json's tokens.
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    listed = json.loads((folder / DRAFT_VOCAB_FILE).read_text())["token_ids"]
+    weights, meta = mx.load(str(folder / "model.safetensors"), return_metadata=True)
+    assert "d2t" not in weights and "t2d" not in weights
+    mx.save_safetensors(str(old / "model.safetensors"), {**weights, **vocab_tensors(listed, engine.target.vocab_size)},
+                        metadata=meta)
+    now, before = (full_vocab_drafter(engine, f, draft_vocab=None) for f in (folder, old))
+    assert now.cfg.draft_vocab == before.cfg.draft_vocab == tuple(listed)  # FR-Spec here, from draft_vocab.json
+    ids = prompt + answer
+    run_rounds(now, OursAsRef(before), ids, target_rows(engine, now.tap_layers, ids), prompt=len(prompt))
+
+
+def test_trained_drafter_round_trips_through_mlx_dspark(tiny, tmp_path):
+    """A drafter freshly trained by train-drafter's Trainer on a tiny target (whose answers
+    repeat a token or two: the drafts do too)."""
+    from engine.train.trainer import Trainer
+    from tests.test_train import small_config
+
+    engine, examples = tiny
+    trainer = Trainer(engine, examples, [], tmp_path, small_config(steps=60))
+    trainer.fit()
+    ex = max(examples, key=lambda e: len(e.answer))
+    peer_round_trip(engine, trainer.export_dir, list(ex.prompt), list(ex.answer), max_new_tokens=24, distinct=2)
