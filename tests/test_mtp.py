@@ -221,6 +221,7 @@ def test_norm_layout_is_read_from_the_values(tmp_path):
     w = {k: np.array(v) for k, v in mx.load(str(shifted / "model.safetensors")).items()}
     norms = [k for k in w if k.startswith("mtp.") and is_norm(k)]
     assert len(norms) == 7
+
     def store(tensors: dict[str, np.ndarray]) -> None:
         mx.save_safetensors(str(shifted / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()},
                             metadata={"format": "mlx"})

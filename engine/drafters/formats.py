@@ -235,9 +235,10 @@ ZERO_CENTRED, SHIFTED = "zero-centred", "shifted"
 NORM_BAND = 0.3  # a norm whose mean is below 0.3 reads zero-centred, above 0.7 stored shifted
 
 
-def is_mtp_norm(name: str, value: mx.array) -> bool:
-    """One of the head's RMSNorm weights (key without the ``mtp.`` prefix)."""
-    return value.ndim == 1 and (name == "norm.weight" or name.endswith(_HF_NORMS))
+def is_mtp_norm(name: str) -> bool:
+    """One of the head's seven RMSNorm weights (a key with or without the ``mtp.`` prefix)."""
+    name = MTP_KEY.sub("", name)
+    return name == "norm.weight" or name.endswith(_HF_NORMS)
 
 
 def mtp_norm_layout(norms: dict[str, mx.array], where: str) -> str:
@@ -262,12 +263,9 @@ def describe_mtp_norms(folder: Path | None, config: dict) -> str | None:
     when it has no Qwen-style head; reads the norm tensors only."""
     if family(config) not in MTP_FAMILIES:
         return None
-    files = mtp_files(folder, config)
-    norm_keys = {f: [k for k in keys if MTP_KEY.sub("", k) == "norm.weight" or k.endswith(_HF_NORMS)]
-                 for f, keys in files.items()}
+    files = {f: [k for k in keys if is_mtp_norm(k)] for f, keys in mtp_files(folder, config).items()}
     try:
-        norms = {MTP_KEY.sub("", k): v for k, v in _read_tensors(norm_keys, str(folder)).items()}
-        norms = {k: v for k, v in norms.items() if is_mtp_norm(k, v)}
+        norms = {k: v for k, v in _read_tensors(files, str(folder)).items() if v.ndim == 1}
         layout = mtp_norm_layout(norms, str(folder))
     except TandemError as e:
         return f"refused: {e}"
@@ -285,7 +283,7 @@ def _mtp_weights(raw: dict[str, mx.array], where: str, config: dict | None = Non
     if any(k.endswith("weight_scale_inv") for k in raw):
         raise TandemError(f"{where}: FP8 MTP tensors are not supported (use the bf16 checkpoint or an MLX sidecar)")
     out = {MTP_KEY.sub("", key): value for key, value in raw.items()}
-    norms = {k: v for k, v in out.items() if is_mtp_norm(k, v)}
+    norms = {k: v for k, v in out.items() if v.ndim == 1 and is_mtp_norm(k)}
     if mtp_norm_layout(norms, where) == ZERO_CENTRED:
         out.update({k: v.astype(mx.float32) + 1.0 for k, v in norms.items()})
     for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:  # fused experts [E, 2F, H]
