@@ -1,8 +1,9 @@
 """Our drafters against the reference implementations themselves, not our reading of them: the
 same tiny random checkpoint, in the published on-disk layout, loaded by our loader and by the
-reference's (mlx-dspark 0.20.3 for DSpark, DFlash and DFlash 2; mlx-vlm 0.7.10's
-``speculative/drafters`` for EAGLE-3 and Qwen3.5 MTP), fed the same target hidden states over
-several rounds; every round's drafter logits and chained greedy drafts must agree.
+reference's (mlx-dspark 0.20.3 for DSpark and DFlash; mlx-vlm 0.7.10's ``speculative/drafters``
+for DFlash 2, EAGLE-3 and Qwen3.5 MTP), fed the same target hidden states over several rounds;
+every round's drafter logits and chained greedy drafts must agree. (mlx-dspark's own DFlash 2
+forward agrees with neither mlx-vlm's nor ours on these checkpoints; mlx-vlm's is the reference.)
 
 Rounds follow the loop: the drafter holds the rows of every position before the anchor, drafts
 ``K`` tokens, then the round commits ``a`` accepted tokens and the target's own (rows for the
@@ -76,9 +77,9 @@ def ours_round(drafter, ids: list[int], k: int) -> tuple[mx.array, list[int]]:
     """Our drafter's logits for this round (the block's draft slots, or a chain head's first
     draft) and its greedy draft through ``propose``, the loop's own call."""
     if hasattr(drafter, "block_states"):
-        h = drafter.block_states(ids)
         start = drafter.cfg.logits_start
-        logits = drafter.model.logits(h[start : start + k]) if drafter.name == "dspark" else drafter.logits(h[start : start + k])
+        head = drafter.model.logits if drafter.name == "dspark" else drafter.logits  # DSpark's before the Markov bias
+        logits = head(drafter.block_states(ids)[start : start + k])
     else:
         drafter._feed(ids)  # propose's first step: the anchor's row, whose output is the seed
         logits = drafter.logits(drafter._seed)[None]
@@ -119,7 +120,7 @@ class DSparkRef:
 
 class DFlashRef:
     """mlx-dspark's ``DFlashDraftModel`` as ``dflash_generate`` drives it: each round's call
-    appends the rows committed since the last one; DFlash 2 walks its candidate selector."""
+    appends the rows committed since the last one."""
 
     def __init__(self, path, target_model):
         self.model, _ = load_dflash(str(path), quantize=False)
@@ -135,10 +136,7 @@ class DFlashRef:
         anchor = int(ids[-1])
         block = mx.array([[anchor] + [self.mask] * (self.model.config.block_size - 1)])
         logits = self.twin(block, self.pending, self.twin_cache, logits_start=1)[0][:k]
-        if self.model.candidate_selector is not None:
-            tokens, _, _ = self.model.select_block(block, self.pending, self.cache, cap=k, anchor_id=anchor)
-        else:
-            tokens = mx.argmax(self.model(block, self.pending, self.cache, logits_start=1)[0][:k], axis=-1)
+        tokens = mx.argmax(self.model(block, self.pending, self.cache, logits_start=1)[0][:k], axis=-1)
         return logits, tokens.tolist()
 
     def commit(self, ids, done, accepted, rows):
@@ -179,7 +177,7 @@ def llama():
     return make_tiny_engine("llama", seed=3)
 
 
-def _block_drafter(engine, path, kind):
+def _drafter(engine, path, kind):
     engine.drafter_path = str(path)
     engine._drafters.clear()
     return engine.drafter(kind)
@@ -193,7 +191,7 @@ def test_dspark_matches_mlx_dspark(llama, tmp_path, variant):
     ck.copy_target_head(w, llama.model)  # as DeepSpec trains them: drafts that vary with the context
     w = {k: v * 4 if k.startswith("markov_head.") else v for k, v in w.items()}
     path = ck.write(tmp_path / variant, cfg, w)
-    ours = _block_drafter(llama, path, "dspark")
+    ours = _drafter(llama, path, "dspark")
     ids = sequence(tc["vocab_size"])
     run_rounds(ours, DSparkRef(path, llama.model), ids, target_rows(llama, ours.tap_layers, ids))
 
@@ -202,7 +200,7 @@ def test_dflash_matches_mlx_dspark(llama, tmp_path):
     tc = ck.target_config_of(llama.model)
     cfg, w = ck.dflash_checkpoint(tc, layers=2, block_size=6, taps=[0, 2], seed=1, scale=0.5)
     path = ck.write(tmp_path / "dflash", cfg, w)
-    ours = _block_drafter(llama, path, "dflash")
+    ours = _drafter(llama, path, "dflash")
     ids = sequence(tc["vocab_size"], seed=1)
     run_rounds(ours, DFlashRef(path, llama.model), ids, target_rows(llama, ours.tap_layers, ids))
 
@@ -212,7 +210,7 @@ def test_dflash2_matches_mlx_vlm(llama, tmp_path):
     cfg, w = ck.dflash2_checkpoint(tc, layers=2, block_size=6, taps=[0, 2], rank=8, top_k=6, seed=7, scale=0.2)
     w = {k: v * 10 if "codebook" in k else v for k, v in w.items()}  # edges that change the walk
     path = ck.write(tmp_path / "dflash2", cfg, w)
-    ours = _block_drafter(llama, path, "dflash")
+    ours = _drafter(llama, path, "dflash")
     ids = sequence(tc["vocab_size"], seed=2)
     run_rounds(ours, VlmDFlashRef(path, llama.model), ids, target_rows(llama, ours.tap_layers, ids))
 
@@ -277,7 +275,7 @@ def test_eagle3_matches_mlx_vlm(llama, tmp_path, layout, norm_before_residual, o
     if own_embedding:  # a frozen copy of the target's, as speculators trains it (mlx-vlm's bind() uses the
         w["embed_tokens.weight"] = np.array(llama.model.model.embed_tokens.weight)  # target's whenever shapes match)
     path = ck.write(tmp_path / layout, cfg, w)
-    ours = _block_drafter(llama, path, "eagle3")
+    ours = _drafter(llama, path, "eagle3")
     ids = sequence(tc["vocab_size"], seed=4)
     rounds = run_rounds(ours, ChainRef(_eagle3_reference(path, layout), llama.model), ids,
                         target_rows(llama, ours.tap_layers, ids))
@@ -315,9 +313,9 @@ class OursAsRef:
         self.drafter.commit(ids[: done + accepted + 2], accepted + 1, rows)
 
 
-def full_vocab_drafter(engine, folder, draft_vocab: int | None = 0):
-    """Our DSpark drafter for ``folder``; ``draft_vocab=0`` over the full vocabulary, as the peer
-    drafts from a head without ``d2t``."""
+def dspark_drafter(engine, folder, draft_vocab: int | None = 0):
+    """Our DSpark drafter for ``folder``, no confidence cut; ``draft_vocab=0``: over the full
+    vocabulary, as the peer drafts from a head without ``d2t``; None: the folder's list."""
     from engine.drafters.checkpoint import load_checkpoint
     from engine.drafters.dspark import DSparkDrafter
 
@@ -331,7 +329,7 @@ def peer_round_trip(engine, folder, prompt: list[int], answer: list[int], max_ne
     from mlx_dspark import greedy_generate, speculative_generate
 
     peer = DSparkRef(folder, engine.model)  # load_drafter refuses a folder it cannot run
-    ours = full_vocab_drafter(engine, folder)
+    ours = dspark_drafter(engine, folder)
     ids = prompt + answer
     run_rounds(ours, peer, ids, target_rows(engine, ours.tap_layers, ids), plan=(1, 0, 2, 0, 1), prompt=len(prompt),
                distinct=distinct)
@@ -358,8 +356,8 @@ def test_shipped_drafter_round_trips_through_mlx_dspark(starter_engine, tmp_path
     engine = starter_engine
     folder = resources_dir() / "drafters" / "smollm2-135m-dspark"
     prompt = engine.encode("Write a Python function that returns the squares of a list of numbers.")
-    answer = engine.generate(prompt, mode="baseline", max_new_tokens=16).token_ids
-    peer_round_trip(engine, folder, prompt, answer, max_new_tokens=16)  # the peer decodes slowly on a CPU
+    answer = engine.generate(prompt, mode="baseline", max_new_tokens=12).token_ids
+    peer_round_trip(engine, folder, prompt, answer, max_new_tokens=12)  # the peer decodes slowly on a CPU
     # The old folder: the same tensors plus d2t/t2d listing draft_vocab.json's tokens.
     old = tmp_path / "old"
     shutil.copytree(folder, old)
@@ -368,7 +366,7 @@ def test_shipped_drafter_round_trips_through_mlx_dspark(starter_engine, tmp_path
     assert "d2t" not in weights and "t2d" not in weights
     mx.save_safetensors(str(old / "model.safetensors"), {**weights, **vocab_tensors(listed, engine.target.vocab_size)},
                         metadata=meta)
-    now, before = (full_vocab_drafter(engine, f, draft_vocab=None) for f in (folder, old))
+    now, before = (dspark_drafter(engine, f, draft_vocab=None) for f in (folder, old))
     assert now.cfg.draft_vocab == before.cfg.draft_vocab == tuple(listed)  # FR-Spec here, from draft_vocab.json
     ids = prompt + answer
     run_rounds(now, OursAsRef(before), ids, target_rows(engine, now.tap_layers, ids), prompt=len(prompt))
