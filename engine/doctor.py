@@ -110,9 +110,19 @@ def model_rows(engine) -> list[tuple[str, str]]:
     if engine.kv_bits:
         rows.append(("KV bits", str(engine.kv_bits)))
     rows += [("Note", note) for note in engine.notes]
+    if (norms := _mtp_norms_row(engine)) is not None:
+        rows.append(("MTP norms", norms))
     for mode, reason in engine.mode_support().items():
         rows.append((f"--mode {mode}", "runs" if reason is None else reason))
     return rows
+
+
+def _mtp_norms_row(engine) -> str | None:
+    """How the model's own MTP head stores its norm weights (read from the values), if it has one."""
+    from engine import registry
+    from engine.drafters import formats
+
+    return formats.describe_mtp_norms(registry.model_folder(engine), registry.model_config(engine))
 
 
 def _skinny_row(target) -> str:

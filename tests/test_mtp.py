@@ -209,6 +209,48 @@ def test_forward_matches_numpy_with_rows_fed_as_the_loop_commits(tmp_path):
         drafter.propose(ids[: done + 1] + [3, 4], 2, GREEDY)
 
 
+def test_norm_layout_is_read_from_the_values(tmp_path):
+    """``mtp.*`` tensors with zero-centred norms (HF) and the same head with its norms stored
+    shifted (an MLX folder keeping the HF key names) draft with the same logits; a head whose
+    norms disagree is refused with its reason, never guessed; ``tandem doctor`` says which."""
+    from engine.api import load
+    from engine.doctor import model_rows
+
+    hf = qwen3_5_folder(tmp_path / "hf")
+    shifted = qwen3_5_folder(tmp_path / "shifted")
+    w = {k: np.array(v) for k, v in mx.load(str(shifted / "model.safetensors")).items()}
+    norms = [k for k in w if k.startswith("mtp.") and is_norm(k)]
+    assert len(norms) == 7
+
+    def store(tensors: dict[str, np.ndarray]) -> None:
+        mx.save_safetensors(str(shifted / "model.safetensors"), {k: mx.array(v) for k, v in tensors.items()},
+                            metadata={"format": "mlx"})
+
+    store({k: v + 1.0 if k in norms else v for k, v in w.items()})
+    ids = [5, 9, 17, 4, 33, 60, 2, 8, 71, 13, 40, 41]
+    logits = []
+    for folder in (hf, shifted):
+        engine = load(str(folder))
+        drafter = engine.drafter("mtp")
+        engine.target.set_taps(drafter.tap_layers)
+        _, hidden = engine.target.forward(mx.array([ids]), engine.target.new_cache(), tap=True)
+        drafter._caches = drafter.new_cache()
+        logits.append(drafter.logits(drafter.run(mx.array(ids[1:], dtype=mx.uint32), drafter.context_features(hidden[:-1]))))
+        rows = dict(model_rows(engine))
+        assert rows["MTP norms"] == ("7 norms stored zero-centred (HF layout): applied as 1 + w" if folder == hf
+                                     else "7 norms stored shifted (MLX layout): applied as stored")
+    assert mx.abs(logits[0] - logits[1]).max().item() < 1e-4
+    # Half the norms shifted: either reading changes the numbers, so the head is refused.
+    mixed = {k: v + 1.0 if k in norms[::2] else v for k, v in w.items()}
+    with pytest.raises(TandemError, match="cannot tell whether the MTP head's norm weights are stored zero-centred"):
+        formats.load_mtp_head(engine.target, engine.loaded.config,
+                              {k: mx.array(v) for k, v in mixed.items() if k.startswith("mtp.")}, where="mixed head")
+    store(mixed)
+    engine = load(str(shifted))
+    assert dict(model_rows(engine))["MTP norms"].startswith("refused: ")
+    assert "cannot tell whether" in _refused(engine)
+
+
 # ----------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------

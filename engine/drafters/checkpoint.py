@@ -28,7 +28,8 @@ Public API for building and saving DSpark drafters (used by training)::
     save_drafter(model, config: dict, out_dir, *, dtype: str | None = None, extra=None) -> Path
         Writes ``config.json`` + ``model.safetensors`` (DeepSpec-native names, ``[out, in]``
         weights); ``dtype="bfloat16"`` casts floating weights on the way out; ``extra`` tensors
-        (``vocab_tensors(ids, V)``: the draft vocabulary as ``d2t``/``t2d``) are added as they are.
+        are added as they are (``vocab_tensors(ids, V)``'s ``d2t``/``t2d`` only beside a head
+        stored over those rows: other engines read ``d2t`` as "the head is a reduced draft space").
 
     new_dflash_model(target_config: dict, *, num_layers=1, block_size=16, tap_layers=None,
                      mask_token_id, seed=None) -> DFlashModel   (z-lab layout, for tests)

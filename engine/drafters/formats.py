@@ -6,9 +6,11 @@ or a sidecar) and EAGLE-3 heads; which kind of drafter a folder holds.
 * MTP (Qwen3.5 / 3.6 / 3.8, Qwen3-Next): the model folder's ``mtp.*`` tensors (mlx-lm's
   ``sanitize`` drops them when it loads the model, so they are read here, selectively, from the
   safetensors the index names), or a sidecar (``mlx_vlm.split_mtp`` writes one: ``model_type``
-  ``qwen3_5_mtp``, the source's ``text_config``, keys without the ``mtp.`` prefix). Tensors in
-  the HF layout (``mtp.`` prefix) keep zero-centred norms (1 + w), so their seven norm weights get
-  +1, as mlx-lm does for the trunk; MLX sidecars are stored shifted. A sidecar must match the
+  ``qwen3_5_mtp``, the source's ``text_config``, keys without the ``mtp.`` prefix). HF
+  checkpoints store the seven norm weights zero-centred (applied as 1 + w, as mlx-lm does for the
+  trunk); MLX sidecars, and some MLX folders that keep the ``mtp.*`` tensors, store them shifted.
+  Which one a head holds is read from the values (``mtp_norm_layout``), and a head whose norms
+  disagree is refused. A sidecar must match the
   trunk (hidden size, vocabulary, layer count) and agree with the target on a probe text well
   above chance.
 * DeepSeek-V3 / GLM-4.5 "nextn" heads: ``model.layers.{N}.*`` (N = the trunk's layer count),
@@ -229,6 +231,50 @@ def _nextn_weights(raw: dict[str, mx.array], config: dict, where: str) -> dict[s
     return own
 
 
+ZERO_CENTRED, SHIFTED = "zero-centred", "shifted"
+NORM_BAND = 0.3  # a norm whose mean is below 0.3 reads zero-centred, above 0.7 stored shifted
+
+
+def is_mtp_norm(name: str) -> bool:
+    """One of the head's seven RMSNorm weights (a key with or without the ``mtp.`` prefix)."""
+    name = MTP_KEY.sub("", name)
+    return name == "norm.weight" or name.endswith(_HF_NORMS)
+
+
+def mtp_norm_layout(norms: dict[str, mx.array], where: str) -> str:
+    """``ZERO_CENTRED`` (stored w, applied as 1 + w: HF checkpoints) or ``SHIFTED`` (stored 1 + w:
+    MLX sidecars, and some MLX folders that keep the ``mtp.*`` tensors) by what the weights say,
+    not by their key names or metadata: a zero-centred norm sits near 0, a shifted one near 1.
+    Norms that do not all say the same are refused: either reading changes every logit."""
+    if not norms:
+        return SHIFTED
+    means = {k: mx.mean(v.astype(mx.float32)).item() for k, v in sorted(norms.items())}
+    if all(m < NORM_BAND for m in means.values()):
+        return ZERO_CENTRED
+    if all(m > 1 - NORM_BAND for m in means.values()):
+        return SHIFTED
+    listed = ", ".join(f"{k} {m:.2f}" for k, m in means.items())
+    raise TandemError(f"{where}: cannot tell whether the MTP head's norm weights are stored zero-centred (mean near 0, "
+                      f"applied as 1 + w) or shifted (mean near 1); their means: {listed}")
+
+
+def describe_mtp_norms(folder: Path | None, config: dict) -> str | None:
+    """How the model folder's own MTP head stores its norms (for ``tandem doctor``), or None
+    when it has no Qwen-style head; reads the norm tensors only."""
+    if family(config) not in MTP_FAMILIES:
+        return None
+    files = {f: [k for k in keys if is_mtp_norm(k)] for f, keys in mtp_files(folder, config).items()}
+    try:
+        norms = {k: v for k, v in _read_tensors(files, str(folder)).items() if v.ndim == 1}
+        layout = mtp_norm_layout(norms, str(folder))
+    except TandemError as e:
+        return f"refused: {e}"
+    if not norms:
+        return None
+    return (f"{len(norms)} norms stored zero-centred (HF layout): applied as 1 + w" if layout == ZERO_CENTRED
+            else f"{len(norms)} norms stored shifted (MLX layout): applied as stored")
+
+
 def _mtp_weights(raw: dict[str, mx.array], where: str, config: dict | None = None) -> dict[str, mx.array]:
     """HF (``mtp.`` prefix, zero-centred norms, per-expert or fused experts) or MLX sidecar keys
     -> the head's parameter names (a nextn family's: see ``_nextn_weights``)."""
@@ -236,13 +282,10 @@ def _mtp_weights(raw: dict[str, mx.array], where: str, config: dict | None = Non
         return _nextn_weights(raw, config, where)
     if any(k.endswith("weight_scale_inv") for k in raw):
         raise TandemError(f"{where}: FP8 MTP tensors are not supported (use the bf16 checkpoint or an MLX sidecar)")
-    out: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        hf = bool(MTP_KEY.match(key))
-        name = MTP_KEY.sub("", key)
-        if hf and value.ndim == 1 and (name == "norm.weight" or name.endswith(_HF_NORMS)):
-            value = value.astype(mx.float32) + 1.0
-        out[name] = value
+    out = {MTP_KEY.sub("", key): value for key, value in raw.items()}
+    norms = {k: v for k, v in out.items() if v.ndim == 1 and is_mtp_norm(k)}
+    if mtp_norm_layout(norms, where) == ZERO_CENTRED:
+        out.update({k: v.astype(mx.float32) + 1.0 for k, v in norms.items()})
     for key in [k for k in out if k.endswith(".experts.gate_up_proj")]:  # fused experts [E, 2F, H]
         base = key[: -len(".experts.gate_up_proj")]
         gate, up = mx.split(out.pop(key), 2, axis=-2)

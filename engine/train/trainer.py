@@ -268,10 +268,10 @@ class Trainer:
                             "loss": "0.1*CE + 0.9*L1 + 1.0*BCE, exp(-k/4)"}
         tmp = self.export_dir.with_name(self.export_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        # The draft vocabulary twice: draft_vocab.json (most frequent first, --draft-vocab N) and
-        # d2t/t2d in the weights, the form vLLM speculators checkpoints use, for other engines.
-        vocab = checkpoint.vocab_tensors(self.draft_vocab["token_ids"], self.target.vocab_size)
-        checkpoint.save_drafter(self.model, config, tmp, dtype=self.cfg.export_dtype, extra=vocab)
+        # The draft vocabulary goes in draft_vocab.json only (most frequent first, --draft-vocab N).
+        # No d2t/t2d: in the speculators convention other engines follow (vLLM, SGLang, mlx-dspark)
+        # d2t says the head's rows are a reduced draft space, and this head covers every token.
+        checkpoint.save_drafter(self.model, config, tmp, dtype=self.cfg.export_dtype)
         (tmp / checkpoint.DRAFT_VOCAB_FILE).write_text(json.dumps(self.draft_vocab) + "\n", encoding="utf-8")
         self.export_dir.mkdir(parents=True, exist_ok=True)
         for f in tmp.iterdir():
