@@ -354,3 +354,22 @@ def test_stress_random_arrivals_lengths_and_cancellations():
             want = alone(eng, p["prompt"], mode=p["mode"], max_new_tokens=p["max_new_tokens"], max_draft=p["max_draft"])
             assert_same_greedy(eng.model, p["prompt"], want.token_ids, tokens, "stress")
     assert sum(reason == "cancelled" for _, reason in first) >= 5
+
+
+def test_concurrent_benchmark_reports_batched_against_sequential():
+    from engine.benchmark import Arm
+    from engine.concurrent_bench import format_concurrent, run_concurrent
+
+    eng = make_tiny_engine("llama", seed=2)
+    prompts = [("code", p) for p in PROMPTS[:3]] + [("chat", p[::-1]) for p in PROMPTS[:3]]
+    report = run_concurrent(eng, prompts, [Arm("baseline"), Arm("lookup", "auto")], concurrent=3, arrival_ms=5,
+                            max_new_tokens=12)
+    assert report["lossless"] and set(report["arms"]) == {"baseline", "lookup@auto"}
+    for arm in report["arms"].values():
+        for cls in ("code", "chat"):
+            c = arm["classes"][cls]
+            assert c["batched"]["batch_width"] == 3 and c["batched"]["tokens"] == c["sequential"]["tokens"]
+            assert c["batched"]["latency_p95_s"] >= c["batched"]["latency_p50_s"] > 0
+            assert 0 < c["batched"]["ttft_p50_s"] <= c["batched"]["latency_p50_s"]
+    assert report["arms"]["baseline"]["vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
+    assert "lookup@auto" in format_concurrent(report)

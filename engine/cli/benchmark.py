@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine.benchmark import format_multi_turn, format_report, make_arms, parse_caps, run_benchmark, run_multi_turn
 from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_conversations, load_prompts, load_spec_bench
@@ -37,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run plain decoding as a second arm (baseline-2): an A/A comparison showing how far "
                         "identical arms drift apart on this machine")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON here")
+    p.add_argument("--concurrent", type=int, default=0, metavar="N",
+                   help="N requests at once per class: continuous batching against one after another "
+                        "(aggregate tok/s, p50/p95 latency and time to first token)")
+    p.add_argument("--arrival-ms", type=float, default=0.0, metavar="MS",
+                   help="with --concurrent: request i arrives i*MS after the first (default: all at once)")
     p.add_argument("--multi-turn", action="store_true",
                    help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
                         "time to first token with the earlier turns restored vs prefilled from token 0, per mode")
@@ -53,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return _multi_turn(args, modes)
     classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
     folder = Path(args.prompts_dir) if args.prompts_dir else None
+    if args.concurrent:  # a class's group is its first N prompts
+        args.prompts_per_class = max(args.prompts_per_class, args.concurrent)
     if args.suite == "spec-bench":
         prompts = load_spec_bench(classes or None, args.prompts_per_class, folder)
     else:
@@ -60,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
     caps = parse_caps(args.max_draft)
     eng = load_engine(args)
     arms = make_arms(modes, caps, noise_floor=args.noise_floor)
+    if args.concurrent:
+        return _concurrent(args, eng, prompts, arms)
     cal_progress, cal_close = tqdm_progress("calibrating")
     warm_progress, warm_close = tqdm_progress("warming up")
     progress, close = tqdm_progress(f"benchmark {eng.name}")
@@ -72,6 +82,21 @@ def run(args: argparse.Namespace) -> int:
         close()
     report["suite"] = args.suite
     print(format_report(report))
+    return _finish(args, report)
+
+
+def _concurrent(args: argparse.Namespace, eng: Any, prompts: list, arms: list) -> int:
+    from engine.concurrent_bench import format_concurrent, run_concurrent
+
+    if args.arrival_ms < 0:
+        raise TandemError(f"--arrival-ms must be >= 0, got {args.arrival_ms}")
+    progress, close = tqdm_progress(f"concurrent {eng.name}")
+    try:
+        report = run_concurrent(eng, prompts, arms, concurrent=args.concurrent, arrival_ms=args.arrival_ms,
+                                max_new_tokens=args.max_new_tokens, trials=args.trials, progress=progress)
+    finally:
+        close()
+    print(format_concurrent(report))
     return _finish(args, report)
 
 

@@ -1,0 +1,172 @@
+"""``tandem benchmark --concurrent N``: many requests at once, batched against one after another.
+
+Each group of N prompts (one group per class, so a class's figures are its own) runs per arm:
+
+* **sequential**: the requests one after another through ``Engine.generate``, as a one-request
+  server answers them; request i may not start before it arrives (``arrival_ms`` apart).
+* **batched**: the same requests through a ``Batcher`` of width N (continuous batching, each row
+  speculating on its own); request i joins at its arrival.
+
+Reported per arm and class: aggregate tok/s (tokens / wall time from the first arrival to the
+last answer), per-request latency and time to first token (p50/p95, from arrival), batched /
+sequential, and batched speculation / batched baseline. Every batched answer is checked against
+the same request's sequential answer (greedy: equal, or different only at a proven near-tie).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from engine.benchmark import Arm, check_lossless, stamp
+from engine.errors import TandemError
+
+if TYPE_CHECKING:
+    from engine.generate import Engine, GenerationResult
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _summary(tokens: int, wall: float, latency: list[float], ttft: list[float]) -> dict:
+    return {"tok_s": tokens / wall if wall > 0 else 0.0, "wall_s": wall, "tokens": tokens,
+            "latency_p50_s": _percentile(latency, 0.5), "latency_p95_s": _percentile(latency, 0.95),
+            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p95_s": _percentile(ttft, 0.95)}
+
+
+def _kwargs(arm: Arm, max_new_tokens: int) -> dict:
+    return dict(mode=arm.mode, max_new_tokens=max_new_tokens, prefix_cache=False,
+                max_draft=None if arm.mode == "baseline" else arm.cap)
+
+
+def run_sequential(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int,
+                   arrival_s: float) -> tuple[dict, list["GenerationResult"]]:
+    results, latency, ttft = [], [], []
+    t0 = time.perf_counter()
+    for i, ids in enumerate(group):
+        arrive = t0 + i * arrival_s
+        time.sleep(max(0.0, arrive - time.perf_counter()))
+        r = engine.generate(ids, **_kwargs(arm, max_new_tokens))
+        end = time.perf_counter()
+        results.append(r)
+        latency.append(end - arrive)
+        ttft.append(end - arrive - r.decode_s)  # waiting + prefill: the first token comes with prefill
+    return _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft), results
+
+
+def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int, arrival_s: float,
+                width: int) -> tuple[dict, list["GenerationResult"]]:
+    from engine.batching import Batcher
+
+    batcher = Batcher(engine, width)
+    tickets: list[Any] = [None] * len(group)
+    arrived: list[float] = [0.0] * len(group)
+    first: list[float | None] = [None] * len(group)
+    ended: list[float] = [0.0] * len(group)
+    t0 = time.perf_counter()
+    pending = list(range(len(group)))
+    while pending or batcher.busy:
+        now = time.perf_counter()
+        while pending and now >= t0 + pending[0] * arrival_s:
+            i = pending.pop(0)
+            arrived[i] = t0 + i * arrival_s
+
+            def on_chunk(chunk: Any, i: int = i) -> None:
+                if chunk.token_ids and first[i] is None:
+                    first[i] = time.perf_counter()
+                if chunk.result is not None:
+                    ended[i] = time.perf_counter()
+
+            tickets[i] = batcher.submit(group[i], on_chunk=on_chunk, **_kwargs(arm, max_new_tokens))
+        if batcher.busy:
+            batcher.step()
+        elif pending:
+            time.sleep(max(0.0, t0 + pending[0] * arrival_s - time.perf_counter()))
+    results = [t.result for t in tickets]
+    latency = [e - a for e, a in zip(ended, arrived)]
+    ttft = [(f or e) - a for f, e, a in zip(first, ended, arrived)]
+    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
+    summary["batch_width"] = max(r.batch_width for r in results)
+    return summary, results
+
+
+def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, concurrent: int,
+                   arrival_ms: float = 0.0, max_new_tokens: int = 128, trials: int = 1,
+                   progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """The report (JSON-ready): per arm and class, sequential vs batched figures (best of
+    ``trials`` by wall time), with the lossless check of every batched answer."""
+    if concurrent < 1 or trials < 1 or max_new_tokens < 2:
+        raise TandemError("--concurrent and --trials must be at least 1 and --max-new-tokens at least 2")
+    arms = list(arms)
+    if not arms or arms[0] != Arm("baseline"):
+        arms = [Arm("baseline")] + [a for a in arms if a.mode != "baseline"]
+    classes = list(dict.fromkeys(c for c, _ in prompts))
+    groups = {c: [engine.encode(p) for k, p in prompts if k == c][:concurrent] for c in classes}
+    arrival_s = arrival_ms / 1000.0
+    total, done = len(arms) * len(classes) * trials * 2 + len(arms), 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, label)
+
+    for arm in arms:  # warm-up: first-call allocations, both paths
+        run_batched(engine, [groups[classes[0]][0]] * 2, arm, 8, 0.0, 2)
+        tick(f"warm-up {arm.name}")
+    report_arms: dict[str, dict] = {}
+    divergences = []
+    for arm in arms:
+        entry: dict[str, Any] = {"mode": arm.mode, "cap": arm.cap, "classes": {}}
+        for cls in classes:
+            best: dict[str, Any] = {}
+            for _ in range(trials):
+                for way in ("sequential", "batched"):
+                    if way == "sequential":
+                        summary, results = run_sequential(engine, groups[cls], arm, max_new_tokens, arrival_s)
+                    else:
+                        summary, results = run_batched(engine, groups[cls], arm, max_new_tokens, arrival_s, concurrent)
+                    if way not in best or summary["wall_s"] < best[way][0]["wall_s"]:
+                        best[way] = (summary, results)
+                    tick(f"{arm.name} {cls} {way} {summary['tok_s']:.1f} tok/s")
+            for j, (ids, a, b) in enumerate(zip(groups[cls], best["sequential"][1], best["batched"][1])):
+                bad = check_lossless(engine, ids, a.token_ids, b.token_ids, f"{arm.name} batched")
+                if bad is not None:
+                    divergences.append({**bad, "cls": cls, "prompt": j})
+            seq, bat = best["sequential"][0], best["batched"][0]
+            entry["classes"][cls] = {"sequential": seq, "batched": bat,
+                                     "batched_vs_sequential": bat["tok_s"] / seq["tok_s"] if seq["tok_s"] else None}
+        entry["tok_s"] = statistics.mean(c["batched"]["tok_s"] for c in entry["classes"].values())
+        entry["sequential_tok_s"] = statistics.mean(c["sequential"]["tok_s"] for c in entry["classes"].values())
+        entry["batched_vs_sequential"] = entry["tok_s"] / entry["sequential_tok_s"] if entry["sequential_tok_s"] else None
+        report_arms[arm.name] = entry
+    base = report_arms["baseline"]
+    for entry in report_arms.values():  # batched speculation against batched plain decoding
+        entry["vs_batched_baseline"] = {c: v["batched"]["tok_s"] / base["classes"][c]["batched"]["tok_s"]
+                                        for c, v in entry["classes"].items()}
+    return {**stamp(engine), "concurrent": concurrent, "arrival_ms": arrival_ms, "trials": trials,
+            "max_new_tokens": max_new_tokens, "classes": classes, "arms": report_arms,
+            "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences}
+
+
+def format_concurrent(report: dict) -> str:
+    lines = [f"{report['model']} on {report['device']} ({report['backend']}): {report['concurrent']} concurrent "
+             f"requests, arrivals {report['arrival_ms']:g} ms apart, {report['max_new_tokens']} new tokens each",
+             f"{'arm':<16}{'class':<8}{'seq tok/s':>10}{'batch tok/s':>12}{'x seq':>7}{'x batched base':>15}"
+             f"{'p50 lat':>9}{'p95 lat':>9}{'p95 ttft':>10}"]
+    for name, arm in report["arms"].items():
+        for cls, c in arm["classes"].items():
+            seq, bat = c["sequential"], c["batched"]
+            lines.append(f"{name:<16}{cls:<8}{seq['tok_s']:>10.1f}{bat['tok_s']:>12.1f}"
+                         f"{c['batched_vs_sequential']:>7.2f}{arm['vs_batched_baseline'][cls]:>15.2f}"
+                         f"{bat['latency_p50_s']:>8.2f}s{bat['latency_p95_s']:>8.2f}s{bat['ttft_p95_s']:>9.2f}s")
+    lines.append("lossless: " + ("yes" if report["lossless"] else "NO: " + "; ".join(
+        f"{d['arm']} {d['cls']}#{d['prompt']}" for d in report["divergences"] if not d["near_tie"])))
+    return "\n".join(lines)
