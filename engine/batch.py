@@ -68,6 +68,7 @@ class BatchRow:
     run_left: int = 0  # plain steps left in the current run (decode's _plain_run)
     run_stop: Callable[[], bool] | None = None  # ends the run early (a draft is ready)
     forwards: int = 0
+    waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     t_start: float = 0.0
     t_last: float = 0.0
     joined: float = 0.0
@@ -104,8 +105,6 @@ class BatchLoop:
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
-        if row.drafter is not None and row.drafter.tap_layers:
-            self._check_taps(row.drafter.tap_layers)
         row.cap_policy = row.cap_policy or FixedCap(row.drafter.max_draft if row.drafter else 0)
         row.stats.prompt_tokens = len(row.prompt_ids)
         row.joined = self.clock()
@@ -130,17 +129,17 @@ class BatchLoop:
         return len(self.rows)
 
     def _admit(self) -> None:
+        """Admit waiting rows in arrival order while there is room. A row whose drafter taps other
+        target layers than a running row's waits until those have left (one forward taps one set)."""
         while self.waiting and len(self.rows) < self.max_batch:
-            row = self.waiting.pop(0)
-            if row.drafter is not None and row.drafter.tap_layers:
-                self._check_taps(row.drafter.tap_layers)
+            row = self.waiting[0]
+            if row.tap and any(r.tap and r.drafter.tap_layers != row.drafter.tap_layers for r in self.rows):
+                row.waited_for_taps = True
+                return
+            self.waiting.pop(0)
+            if row.tap:
+                self.target.set_taps(row.drafter.tap_layers)
             self.rows.append(row)
-
-    def _check_taps(self, layers: tuple[int, ...]) -> None:
-        for other in self.rows:
-            if other.tap and other.drafter.tap_layers != layers:
-                raise ValueError("rows of one batch must tap the same target layers")
-        self.target.set_taps(layers)
 
     # -- one tick -------------------------------------------------------------------------
     def step(self) -> list[Emitted]:

@@ -114,6 +114,9 @@ class Batcher:
 
     def _finish(self, ticket: Ticket) -> None:
         self._drop(ticket)
+        plan = ticket.output.plan
+        if ticket.row.waited_for_taps and plan.note is None:
+            plan.note = "waited for requests whose drafter reads other target layers (one forward taps one set)"
         ticket.output.remember(ticket.row.drafter)
         for chunk in ticket.output.finish():
             if chunk.result is not None:

@@ -373,3 +373,24 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
             assert 0 < c["batched"]["ttft_p50_s"] <= c["batched"]["latency_p50_s"]
     assert report["arms"]["baseline"]["vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
     assert "lookup@auto" in format_concurrent(report)
+
+
+def test_a_drafter_tapping_other_layers_waits_and_says_so(tmp_path):
+    from tests.test_block_drafters import write_dspark
+
+    eng = make_tiny_engine("llama", seed=3)
+    first, second = write_dspark(tmp_path / "a", eng, taps=[0, 2]), write_dspark(tmp_path / "b", eng, taps=[1, 2])
+    batcher = Batcher(eng, 4)
+    tickets = []
+    for path, prompt in ((first, PROMPTS[0]), (second, PROMPTS[1]), (first, PROMPTS[2])):
+        eng.drafter_path = str(path)
+        tickets.append(batcher.submit(prompt, mode="dspark", max_new_tokens=10, max_draft=3, prefix_cache=False))
+    widths = []
+    while batcher.busy:
+        batcher.step()
+        widths.append(batcher.loop.last_width)
+    assert max(widths) == 1  # the second waits for the first; the third for the second (arrival order)
+    assert tickets[0].result.note is None and "other target layers" in tickets[1].result.note
+    for t, path, prompt in zip(tickets, (first, second, first), PROMPTS):
+        eng.drafter_path = str(path)
+        assert t.result.token_ids == alone(eng, prompt, mode="dspark", max_new_tokens=10, max_draft=3).token_ids
