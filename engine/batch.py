@@ -201,6 +201,10 @@ class BatchLoop:
 
     def _round(self, rows: list[BatchRow]) -> list[Emitted]:
         t_round = self.clock()
+        for row in rows:  # the cap policy prices this round at the batch's width
+            told = getattr(row.cap_policy, "batch_rows", None)
+            if told is not None:
+                told(len(rows))
         plans = [self._propose(row) for row in rows]
         width = max(len(d) for _, d, _ in plans) + 1
         if width > 1:

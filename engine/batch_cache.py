@@ -203,6 +203,8 @@ class RowVerify(Verify):
 
     def commit(self, kept: int) -> None:
         super().commit(kept)  # the row's recurrent slots were not written: only attention rows go
+        if kept == 0:  # rolled back: the slots keep their state from before the forward
+            return
         row_leaves = leaves(self.cache)
         for i, slots in self.picks.items():
             for j, pick in slots:

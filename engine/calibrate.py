@@ -46,13 +46,15 @@ from engine.errors import TandemError
 from engine.paths import cache_root, read_json, write_json_atomic
 from engine.protocols import EngineLike
 
-SCHEMA = 3  # 3: plain steps timed at the curve's context
+SCHEMA = 4  # 4: verify curves of batched forwards (continuous batching)
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
 MAX_TOKENS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
 CUT_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 CUT_TOKENS = 48  # new tokens per shipped prompt in the confidence trace
 WARM_PLAIN = 4  # plain steps opening each auto request: the plain step at this context, timed (the middle two)
+BATCH_ROWS = (2, 4, 8)  # sequences per forward the batched verify curves are measured at
+BATCH_MAX_WIDTH = 9  # ... over widths 1..9 (a batch's caps are small; wider ones scale like one row's)
 REMEASURES = 2  # extra measurements of a curve a contention burst bent
 BENT = 1.25  # a narrower forward costing this much more than a wider one: a burst, not the machine
 AGREE = 0.10  # two measurements of a curve this close everywhere: what the machine does
@@ -297,6 +299,32 @@ def measure_verify(target: Any, cache: list, ids: Sequence[int], widths: Sequenc
     return _median_passes(len(widths), passes, one, tick)
 
 
+def measure_batch_verify(target: Any, cache: list, rows: int, ids: Sequence[int], widths: Sequence[int], passes: int,
+                         tick: Callable[[], None] = lambda: None) -> list[float]:
+    """``measure_verify`` for a forward over ``rows`` sequences at once, each on a copy of
+    ``cache`` (snapshots: no memory until a row writes)."""
+    from engine import caches
+
+    snap = caches.snapshot(cache)
+    row_caches = []
+    for _ in range(rows):
+        c = target.new_cache()
+        caches.restore(c, snap)
+        row_caches.append(c)
+    batches = [mx.array([list(ids[:w])] * rows, dtype=mx.uint32) for w in widths]
+
+    def one(i: int) -> float:
+        t0 = time.perf_counter()
+        logits, _, txns = target.verify_rows(batches[i], row_caches)
+        mx.eval(logits)
+        dt = time.perf_counter() - t0
+        for txn in txns:
+            txn.commit(1 if widths[i] == 1 else 0)
+        return dt
+
+    return _median_passes(len(widths), passes, one, tick)
+
+
 def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], passes: int,
                     tick: Callable[[], None] = lambda: None) -> list[float]:
     from engine.sampling import Sampler, SamplingParams
@@ -463,7 +491,8 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
             texts = calibration_texts()
         except TandemError:
             tune = False  # no prompts to trace: keep the drafter's own cut
-    total = 1 + (passes + 1) * (len(widths) + len(caps)) + 4 * overhead_rounds + len(texts) + 1
+    n_batch = len(BATCH_ROWS) * sum(w <= BATCH_MAX_WIDTH for w in widths) if target.batch_blocker() is None else 0
+    total = 1 + (passes + 1) * (len(widths) + len(caps) + n_batch) + 4 * overhead_rounds + len(texts) + 1
     done = 0
 
     def tick(stage: str) -> Callable[[], None]:
@@ -502,9 +531,18 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
             costly.begin(ids, hidden)
             draft_ms = steady_curve(lambda: measure_drafter(costly, ids + [ids[-64]], caps, passes, tick("drafter curve")),
                                     on_remeasure=more(len(caps)))
+        batch_widths = [w for w in widths if w <= BATCH_MAX_WIDTH]
+        batch_ms = {}
+        if target.batch_blocker() is None:
+            for rows in BATCH_ROWS:
+                batch_ms[str(rows)] = steady_curve(
+                    lambda rows=rows: measure_batch_verify(target, cache, rows, probe, batch_widths, passes,
+                                                           tick(f"verify curve, {rows} sequences")),
+                    on_remeasure=more(len(batch_widths)))
         del cache, hidden
         cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms,
-                          pad_widths=list(shapes.widths) if shapes is not None else [])
+                          pad_widths=list(shapes.widths) if shapes is not None else [],
+                          batch_verify_ms=batch_ms, batch_widths=batch_widths if batch_ms else [])
         # The loop's own work is the same at any context: a 128-token prompt keeps the rounds'
         # prefills short (and skips a one-off slow first run seen on fresh 512-row caches); the
         # plain steps run at the curve's context, as verify(w) was measured.

@@ -157,7 +157,8 @@ class CapController:
                  warm_plain: int = 0, cost_decay: float = 0.01, cost_prior: float = 0.5, position_prior: float = 4.0,
                  position_decay: float = 0.01, plain_decay: float = 0.05, plain_prior: float = 2.0,
                  realized_decay: float = 0.1):
-        self.cal = cal
+        self.cal = self.one_row_cal = cal
+        self.rows = 1  # sequences sharing the forwards now (batch_rows)
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
         self.seeded = seeded
@@ -274,6 +275,15 @@ class CapController:
         return rates(self.corrected(), self.acceptance(), self.survival(), self.max_cap)
 
     # -- CapPolicy -------------------------------------------------------------------------
+    def batch_rows(self, rows: int) -> None:
+        """This request now decodes in a batch of ``rows`` sequences: price rounds and plain steps
+        with the curves measured at that many (``Calibration.at_batch``), so the cap, and whether
+        to park, follow the batch width. A seeded controller keeps one row's curves: its caps,
+        and so its tokens, must not depend on what else the server is answering."""
+        if rows != self.rows and not self.seeded:
+            self.rows = rows
+            self.cal = self.one_row_cal.at_batch(rows)
+
     def cap(self) -> int:
         st = self.state
         if self._warm > 0:

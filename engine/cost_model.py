@@ -24,7 +24,7 @@ plain-step time.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 CONTEXT = 512  # synthetic context the curves are measured at
@@ -48,6 +48,10 @@ class Calibration:
     confidence_threshold: float | None = None
     confidence_table: dict = field(default_factory=dict)  # "rule@threshold" -> predicted tok/s
     bandwidth: float = 0.0  # copy bandwidth, bytes/s
+    # verify(w) of a forward over B sequences at once (continuous batching): "B" -> ms at each of
+    # ``batch_widths`` (the narrow end of ``widths``, where a batch's caps fall)
+    batch_verify_ms: dict = field(default_factory=dict)
+    batch_widths: list[int] = field(default_factory=list)
     context: int = CONTEXT
     seconds: float = 0.0  # how long measuring took
     created: float = 0.0  # unix time
@@ -81,6 +85,31 @@ class Calibration:
             fit = _isotonic(self.draft_ms)
             self._draft_fit = [_interp(self.draft_caps, fit, c) for c in range(max(self.draft_caps) + 1)]
         return self._draft_fit[min(int(cap), len(self._draft_fit) - 1)]
+
+    def at_batch(self, rows: int) -> "Calibration":
+        """These curves as one of ``rows`` sequences decoding together sees them: a round or a
+        plain step lasts the batch's forward (verify at ``rows`` rows, interpolated between the
+        measured batch sizes, wider widths scaled like the one-row curve) plus every row's
+        drafting and bookkeeping. Itself when ``rows`` is 1 or no batch was measured."""
+        sizes = sorted(int(b) for b in self.batch_verify_ms)
+        if rows <= 1 or not sizes or not self.batch_widths:
+            return self
+        lower = max([1] + [b for b in sizes if b <= rows])
+        upper = min([b for b in sizes if b >= rows], default=lower)
+
+        def curve(b: int) -> list[float]:
+            return [self.verify(w) for w in self.batch_widths] if b == 1 else self.batch_verify_ms[str(b)]
+
+        lo, hi = curve(lower), curve(upper)
+        t = 0.0 if upper == lower else (rows - lower) / (upper - lower)
+        at = [a + (b - a) * t for a, b in zip(lo, hi)]
+        edge = self.batch_widths[-1]
+        scale = _interp(self.batch_widths, at, edge) / max(self.verify(edge), 1e-9)
+        verify = [_interp(self.batch_widths, at, w) if w <= edge else self.verify(w) * scale for w in self.widths]
+        step = _interp(self.batch_widths, at, 1) / max(self.verify(1), 1e-9)
+        return replace(self, verify_ms=verify, draft_ms=[ms * rows for ms in self.draft_ms],
+                       overhead_ms=self.overhead_ms * rows, plain_ms=self.plain_ms * step,
+                       step_overhead_ms=self.step_overhead_ms * rows, batch_verify_ms={}, batch_widths=[])
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -73,7 +73,8 @@ class CapPolicy(Protocol):
     the loop tells the optional ``no_draft()`` and takes plain steps, observed as above, until
     the drafter has; then it asks ``cap()`` again.
     An optional ``observe_catch_up(seconds)`` hears of a drafter's catch-up before the round
-    that ``observe`` reports next."""
+    that ``observe`` reports next; an optional ``batch_rows(n)`` (engine/batch.py) hears, before
+    each round, how many sequences share its forward."""
 
     def cap(self) -> int: ...
 
