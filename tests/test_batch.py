@@ -245,7 +245,7 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict, dict]:
 
 @pytest.fixture(scope="module")
 def batch_server():
-    srv = make_server(lambda: make_tiny_engine("llama"), port=0, max_batch=3, max_queue=2).start()
+    srv = make_server(lambda: make_tiny_engine("llama"), port=0, max_batch=3, max_queue=4).start()
     srv.wait_ready(60)
     yield srv
     srv.stop()
@@ -289,7 +289,7 @@ def test_server_full_queue_answers_503_with_retry_after(batch_server):
     worker.batcher.step = held_step
     threads, statuses = [], []
     try:
-        for i in range(4):  # one may be taken off the queue before the pause; two more wait there
+        for i in range(6):  # one may be taken off the queue before the pause; four more fill it
             th = threading.Thread(target=lambda i=i: statuses.append(
                 _post(srv.url, {"prompt": f"w{20 + i}", "max_tokens": 2})[0]))
             th.start()
@@ -302,7 +302,8 @@ def test_server_full_queue_answers_503_with_retry_after(batch_server):
         worker.batcher.step = original
         for th in threads:
             th.join(60)
-    assert statuses.count(200) >= 3
+    assert statuses.count(200) >= 5 and set(statuses) <= {200, 503}
+    assert "tandem_requests_rejected_total" in srv.metrics.render()
 
 
 def test_stress_random_arrivals_lengths_and_cancellations():
@@ -394,3 +395,60 @@ def test_a_drafter_tapping_other_layers_waits_and_says_so(tmp_path):
     for t, path, prompt in zip(tickets, (first, second, first), PROMPTS):
         eng.drafter_path = str(path)
         assert t.result.token_ids == alone(eng, prompt, mode="dspark", max_new_tokens=10, max_draft=3).token_ids
+
+
+def test_server_client_that_disconnects_frees_its_slot(batch_server):
+    srv = batch_server
+    host, port = srv.url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "w7 w8", "max_tokens": 5000, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline()  # streaming: it holds a slot
+    deadline = time.monotonic() + 10
+    while srv.metrics.batch_occupancy == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.metrics.batch_occupancy == 1
+    conn.sock.shutdown(2)
+    conn.close()
+    deadline = time.monotonic() + 20
+    while (srv.metrics.batch_occupancy or srv.worker.running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.metrics.batch_occupancy == 0 and not srv.worker.running
+    status, _, body = _post(srv.url, {"prompt": "w9", "max_tokens": 3})
+    assert status == 200 and body["x_tandem"]["batch_width"] == 1
+
+
+def test_server_both_dialects_streaming_and_not_batched_equal_alone(batch_server):
+    import anthropic
+    import openai
+
+    srv = batch_server
+    oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+    ant = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+
+    def oai_chat(stream: bool) -> str:
+        kw = dict(model="m", messages=[{"role": "user", "content": "w5 w6 w7 w5 w6"}], max_tokens=24)
+        if not stream:
+            return oai.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+
+    def ant_msg(stream: bool) -> str:
+        kw = dict(model="m", messages=[{"role": "user", "content": "w9 w10 w11"}], max_tokens=24)
+        if not stream:
+            return ant.messages.create(**kw).content[0].text
+        with ant.messages.stream(**kw) as s:
+            return "".join(s.text_stream)
+
+    calls = [(oai_chat, True), (oai_chat, False), (ant_msg, True), (ant_msg, False)]
+    alone_texts = [fn(stream) for fn, stream in calls]  # one at a time
+    together: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i, fn=fn, s=s: together.__setitem__(i, fn(s)))
+               for i, (fn, s) in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [together[i] for i in range(len(calls))] == alone_texts
+    assert alone_texts[0] == alone_texts[1] and alone_texts[2] == alone_texts[3]  # streamed == not streamed
