@@ -71,7 +71,6 @@ class BatchRow:
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     t_start: float = 0.0
     t_last: float = 0.0
-    joined: float = 0.0
 
     @property
     def decoding(self) -> bool:
@@ -101,13 +100,12 @@ class BatchLoop:
         self.clock = clock or time.perf_counter
         self.rows: list[BatchRow] = []  # admitted: prefilling or decoding, in arrival order
         self.waiting: list[BatchRow] = []
-        self.last_width = 0  # rows in the last round's forward
+        self.last_width = 0  # rows in the last tick's round (0: it ran only a prefill chunk)
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
         row.cap_policy = row.cap_policy or FixedCap(row.drafter.max_draft if row.drafter else 0)
         row.stats.prompt_tokens = len(row.prompt_ids)
-        row.joined = self.clock()
         self.waiting.append(row)
         self._admit()
         return row
@@ -145,6 +143,7 @@ class BatchLoop:
     def step(self) -> list[Emitted]:
         """One prefill chunk (if a row is prefilling), then one round for every decoding row."""
         out: list[Emitted] = []
+        self.last_width = 0
         prefilling = [r for r in self.rows if not r.done and not r.decoding]
         if prefilling:  # one chunk a tick: decoding rows, and requests arriving, wait one chunk at most
             first = self._prefill_chunk(prefilling[0])
