@@ -59,7 +59,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.chat = ChatView(self.bridge, self.settings)
-        self.models = ModelsView(self.bridge, cache_dir=cache_dir, endpoint=endpoint)
+        self.models = ModelsView(self.bridge, cache_dir=cache_dir, endpoint=endpoint, settings=self.settings)
         self.chat.header.entries = lambda: self.models.entries  # the chat's model picker lists what the
         self.chat.header.load_entry = self.models.load_entry  # Models tab lists, and loads the same way
         self.models.listed.connect(self.chat.header.refresh_models)

@@ -1,0 +1,203 @@
+"""The app's local server switch under pytest-qt (offscreen): the OpenAI SDK against the app's
+own engine thread on 127.0.0.1, while the user's chat decodes in the same batch.
+
+The worker runs the tiny chat llama of tests/test_app_chat.py (a chat template; its EOS is
+never picked, so every request runs to its max_tokens)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from app.main import MainWindow
+from tests.test_app_chat import ChatEngine
+from tests.test_app_hub import build_cache
+
+WAIT_MS = 30_000
+CHAT = "w5 w6 w7 w8 w5 w6 w7"
+AGENT = [{"role": "user", "content": "w20 w21 w22 w20 w21 w22 w20"}]
+
+
+class Named(ChatEngine):
+    """A second model to load while serving: the same weights under another name."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = self.target.name = name
+
+
+SLOW = threading.Event()  # "org/slow" loads once this is set
+MADE: list[Named] = []
+
+
+def factory(spec, drafter):
+    if spec == "org/slow":
+        assert SLOW.wait(30)
+    MADE.append(Named(spec or "tiny-chat"))
+    return MADE[-1]
+
+
+@pytest.fixture
+def win(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))
+    w = MainWindow(engine_factory=factory, cache_dir=str(build_cache(tmp_path)))
+    qtbot.addWidget(w)
+    qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
+    yield w
+    w.shutdown()
+    assert not w.host.thread.isRunning()
+
+
+def switch(qtbot, win, on: bool) -> dict:
+    panel = win.models.serve_panel
+    with qtbot.waitSignal(win.bridge.serving_changed, timeout=WAIT_MS,
+                          check_params_cb=lambda state: state.get("on") == on) as sig:
+        if on:
+            panel.port.setValue(0)  # any free port
+        panel.set_on(on)
+    return sig.args[0]
+
+
+def client(state: dict) -> openai.OpenAI:
+    return openai.OpenAI(base_url=state["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class Stream(threading.Thread):
+    """One streamed chat completion through the OpenAI SDK, read in this thread."""
+
+    def __init__(self, state: dict, max_tokens: int):
+        super().__init__(daemon=True)
+        self.api, self.max_tokens = client(state), max_tokens
+        self.first = threading.Event()
+        self.pieces: list[str] = []
+        self.finish: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for chunk in self.api.chat.completions.create(model="tiny", messages=AGENT, max_tokens=self.max_tokens,
+                                                          temperature=0, stream=True):
+                for choice in chunk.choices:
+                    self.pieces.append(choice.delta.content or "")
+                    self.finish = choice.finish_reason or self.finish
+                if self.pieces:
+                    self.first.set()
+        except BaseException as err:  # reported by the test
+            self.error = err
+        finally:
+            self.first.set()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def result(self, qtbot) -> str:
+        qtbot.waitUntil(lambda: not self.is_alive(), timeout=WAIT_MS)
+        assert self.error is None, self.error
+        return self.text
+
+
+def chat(qtbot, win, max_tokens: int, text: str = CHAT) -> dict:
+    c = win.chat
+    c.new_chat()  # the same one-message prompt each time
+    c.mode.setCurrentText("baseline")
+    c.temperature.setValue(0.0)
+    c.max_tokens.setValue(max_tokens)
+    with qtbot.waitSignal(win.bridge.gen_finished, timeout=WAIT_MS) as sig:
+        assert c.send(text) is not None
+    qtbot.waitUntil(lambda: not c.generating, timeout=WAIT_MS)
+    return sig.args[1]
+
+
+def health(state: dict) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", state["port"], timeout=10)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    out = resp.status, json.loads(resp.read())
+    conn.close()
+    return out
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win, qtbot):
+    state = switch(qtbot, win, True)
+    assert state["url"].startswith("http://127.0.0.1:") and state["port"] > 0
+    # alone: the text each gets by itself
+    agent_alone = Stream(state, 120)
+    agent_alone.start()
+    agent_alone = agent_alone.result(qtbot)
+    chat_alone = chat(qtbot, win, 12)
+    assert chat_alone["batch_width"] == 1 and len(agent_alone) > 0
+
+    # together: the chat joins the agent's batch (same model, one forward for both)
+    agent = Stream(state, 120)
+    agent.start()
+    assert agent.first.wait(30)
+    both = chat(qtbot, win, 12)
+    assert agent.result(qtbot) == agent_alone and agent.finish == "length"
+    assert both["text"] == chat_alone["text"] and both["token_ids"] == chat_alone["token_ids"]
+    assert both["batch_width"] == 2  # it shared forwards with the agent's request
+    rows = win.bridge.telemetry.snapshot().requests
+    served = [r for r in rows if r["label"].startswith("server")]
+    assert [r["width"] for r in served] == [1, 2] and all(r["rounds"] > 0 for r in rows)
+    assert served[-1]["tokens"] == 120 and served[-1]["state"] == "length"
+
+    # switched off mid-stream: no new connection, the one in flight is answered to the end
+    late = Stream(state, 120)
+    late.start()
+    assert late.first.wait(30)
+    off = switch(qtbot, win, False)
+    assert not off["on"] and refused(state["port"])
+    with pytest.raises(openai.APIConnectionError):
+        client(state).chat.completions.create(model="tiny", messages=AGENT, max_tokens=2)
+    assert late.result(qtbot) == agent_alone and late.finish == "length"
+    qtbot.waitUntil(lambda: not win.bridge.serving.get("in_flight"), timeout=WAIT_MS)
+    assert chat(qtbot, win, 12)["text"] == chat_alone["text"]  # the chat goes on alone
+    # the Telemetry tab lists each request with its rounds and batch width
+    win.telemetry.redraw(force=True)
+    table = win.telemetry.requests_table
+    shown = [[table.topLevelItem(i).text(c) for c in (0, 2, 5, 6)] for i in range(table.topLevelItemCount())]
+    rows = win.bridge.telemetry.snapshot().requests[::-1]  # newest first, as shown
+    assert shown == [[r["label"], str(r["rounds"]), str(r["width"]), r["state"]] for r in rows]
+    assert [(r[0].split()[0], r[2]) for r in shown] == [("chat", "1"), ("server", "1"), ("chat", "2"),
+                                                       ("server", "2"), ("chat", "1"), ("server", "1")]
+
+
+def test_loading_another_model_while_serving(win, qtbot):
+    """Requests in flight end on the model they began on; one that comes during the load waits
+    for the new model (``/health`` says loading) and runs on it."""
+    SLOW.clear()
+    state = switch(qtbot, win, True)
+    alone = Stream(state, 80)
+    alone.start()
+    alone = alone.result(qtbot)
+    inflight = Stream(state, 80)
+    inflight.start()
+    assert inflight.first.wait(30)
+    with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS) as sig:
+        win.bridge.load("org/slow")
+        assert inflight.result(qtbot) == alone  # answered to the end before the old model went
+        qtbot.waitUntil(lambda: health(state) == (503, {"status": "loading"}), timeout=WAIT_MS)
+        waiting = Stream(state, 6)
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive() and not waiting.pieces  # it waits for the new model
+        SLOW.set()
+    assert sig.args[0]["name"] == "org/slow"
+    waiting.result(qtbot)
+    assert waiting.finish == "length" and len(MADE[-1].encoded) == 1  # rendered for, and run on, the new one
+    assert health(state)[1]["model"] == "org/slow"
+    assert [m.id for m in client(state).models.list().data] == ["org/slow"]
