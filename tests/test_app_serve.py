@@ -7,6 +7,7 @@ never picked, so every request runs to its max_tokens)."""
 from __future__ import annotations
 
 import http.client
+from contextlib import contextmanager
 import json
 import socket
 import threading
@@ -44,14 +45,27 @@ def factory(spec, drafter):
 
 
 @pytest.fixture
-def win(qtbot, tmp_path, monkeypatch):
+def make_win(qtbot, tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))
-    w = MainWindow(engine_factory=factory, cache_dir=str(build_cache(tmp_path)))
-    qtbot.addWidget(w)
-    qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
-    yield w
-    w.shutdown()
-    assert not w.host.thread.isRunning()
+    made: list[MainWindow] = []
+    cache = str(build_cache(tmp_path))
+
+    def make() -> MainWindow:
+        w = MainWindow(engine_factory=factory, cache_dir=cache)
+        qtbot.addWidget(w)
+        made.append(w)
+        qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
+        return w
+
+    yield make
+    for w in made:
+        w.shutdown()
+        assert not w.host.thread.isRunning()
+
+
+@pytest.fixture
+def win(make_win):
+    return make_win()
 
 
 def switch(qtbot, win, on: bool) -> dict:
@@ -82,11 +96,12 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             for chunk in self.api.chat.completions.create(model="tiny", messages=AGENT, max_tokens=self.max_tokens,
-                                                          temperature=0, stream=True):
+                                                          temperature=0, stream=True,
+                                                          extra_body={"tandem": {"mode": "baseline"}}):
                 for choice in chunk.choices:
                     self.pieces.append(choice.delta.content or "")
                     self.finish = choice.finish_reason or self.finish
-                if self.pieces:
+                if self.text:  # the first token's text (the role chunk before it says nothing)
                     self.first.set()
         except BaseException as err:  # reported by the test
             self.error = err
@@ -103,10 +118,23 @@ class Stream(threading.Thread):
         return self.text
 
 
+@contextmanager
+def held(serving, release):
+    """The shared batch stands still once each of its requests has its first token, until
+    ``release()`` (read in the worker thread): what must overlap does, however loaded the CPU."""
+    batcher = serving.batcher
+    step = batcher.step
+    batcher.step = lambda: step() if release() or not all(t.output.tokens for t in batcher.tickets) else None
+    try:
+        yield
+    finally:
+        batcher.step = step
+
+
 def chat(qtbot, win, max_tokens: int, text: str = CHAT) -> dict:
     c = win.chat
     c.new_chat()  # the same one-message prompt each time
-    c.mode.setCurrentText("baseline")
+    c.mode.setCurrentText("lookup")
     c.temperature.setValue(0.0)
     c.max_tokens.setValue(max_tokens)
     with qtbot.waitSignal(win.bridge.gen_finished, timeout=WAIT_MS) as sig:
@@ -115,13 +143,17 @@ def chat(qtbot, win, max_tokens: int, text: str = CHAT) -> dict:
     return sig.args[1]
 
 
-def health(state: dict) -> tuple[int, dict]:
+def get(state: dict, path: str, headers: dict | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", state["port"], timeout=10)
-    conn.request("GET", "/health")
+    conn.request("GET", path, headers=headers or {})
     resp = conn.getresponse()
     out = resp.status, json.loads(resp.read())
     conn.close()
     return out
+
+
+def health(state: dict) -> tuple[int, dict]:
+    return get(state, "/health")
 
 
 def refused(port: int) -> bool:
@@ -143,10 +175,12 @@ def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win
     assert chat_alone["batch_width"] == 1 and len(agent_alone) > 0
 
     # together: the chat joins the agent's batch (same model, one forward for both)
+    serving = win.host.worker.serving
     agent = Stream(state, 120)
-    agent.start()
-    assert agent.first.wait(30)
-    both = chat(qtbot, win, 12)
+    with held(serving, lambda: len(serving.batcher.tickets) == 2):
+        agent.start()
+        assert agent.first.wait(30)
+        both = chat(qtbot, win, 12)
     assert agent.result(qtbot) == agent_alone and agent.finish == "length"
     assert both["text"] == chat_alone["text"] and both["token_ids"] == chat_alone["token_ids"]
     assert both["batch_width"] == 2  # it shared forwards with the agent's request
@@ -157,12 +191,13 @@ def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win
 
     # switched off mid-stream: no new connection, the one in flight is answered to the end
     late = Stream(state, 120)
-    late.start()
-    assert late.first.wait(30)
-    off = switch(qtbot, win, False)
-    assert not off["on"] and refused(state["port"])
-    with pytest.raises(openai.APIConnectionError):
-        client(state).chat.completions.create(model="tiny", messages=AGENT, max_tokens=2)
+    with held(serving, lambda: not serving.on):
+        late.start()
+        assert late.first.wait(30)
+        off = switch(qtbot, win, False)
+        assert not off["on"] and refused(state["port"])
+        with pytest.raises(openai.APIConnectionError):
+            client(state).chat.completions.create(model="tiny", messages=AGENT, max_tokens=2)
     assert late.result(qtbot) == agent_alone and late.finish == "length"
     qtbot.waitUntil(lambda: not win.bridge.serving.get("in_flight"), timeout=WAIT_MS)
     assert chat(qtbot, win, 12)["text"] == chat_alone["text"]  # the chat goes on alone
@@ -185,9 +220,11 @@ def test_loading_another_model_while_serving(win, qtbot):
     alone.start()
     alone = alone.result(qtbot)
     inflight = Stream(state, 80)
-    inflight.start()
-    assert inflight.first.wait(30)
-    with qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS) as sig:
+    serving = win.host.worker.serving
+    with held(serving, lambda: not serving.runner.ready.is_set()), \
+            qtbot.waitSignal(win.bridge.model_loaded, timeout=WAIT_MS) as sig:
+        inflight.start()
+        assert inflight.first.wait(30)  # it decodes: the load comes in the middle of it
         win.bridge.load("org/slow")
         assert inflight.result(qtbot) == alone  # answered to the end before the old model went
         qtbot.waitUntil(lambda: health(state) == (503, {"status": "loading"}), timeout=WAIT_MS)
@@ -201,3 +238,34 @@ def test_loading_another_model_while_serving(win, qtbot):
     assert waiting.finish == "length" and len(MADE[-1].encoded) == 1  # rendered for, and run on, the new one
     assert health(state)[1]["model"] == "org/slow"
     assert [m.id for m in client(state).models.list().data] == ["org/slow"]
+
+
+def test_switch_setting_key_and_web_page_defaults_persist(make_win, qtbot):
+    """The port, the API key and the switch itself come back at the next run; the server keeps
+    ``tandem serve``'s defaults: the key on every route but /health, web pages refused."""
+    win = make_win()
+    panel = win.models.serve_panel
+    panel.api_key.setText("sesame")
+    state = switch(qtbot, win, True)
+    assert state["api_key"] and win.serve_action.isChecked() and state["url"] in win.serve_status.text()
+    assert get(state, "/v1/models")[0] == 401
+    assert get(state, "/v1/models", {"Authorization": "Bearer sesame"})[0] == 200
+    assert get(state, "/health")[0] == 200
+    assert get(state, "/v1/models", {"Authorization": "Bearer sesame", "Origin": "https://evil.example"})[0] == 403
+    assert get(state, "/v1/models", {"Authorization": "Bearer sesame", "Host": "evil.example"})[0] == 403
+    win.shutdown()
+    assert refused(state["port"])
+
+    again = make_win()  # restarted: serving again once the model is loaded, on the saved settings
+    qtbot.waitUntil(lambda: again.bridge.serving.get("on"), timeout=WAIT_MS)
+    state = again.bridge.serving
+    assert again.models.serve_panel.api_key.text() == "sesame" and again.models.serve_panel.port.value() == 0
+    assert again.models.serve_panel.switch.isChecked() and again.serve_action.isChecked()
+    reply = openai.OpenAI(base_url=state["url"] + "/v1", api_key="sesame", max_retries=0).chat.completions.create(
+        model="tiny", messages=AGENT, max_tokens=3)
+    assert reply.usage.completion_tokens == 3
+
+    again.serve_action.setChecked(False)  # the menu's switch is the same switch
+    qtbot.waitUntil(lambda: not again.bridge.serving.get("on"), timeout=WAIT_MS)
+    assert not again.models.serve_panel.switch.isChecked() and refused(state["port"])
+    assert again.serve_status.text() == ""

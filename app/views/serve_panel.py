@@ -40,6 +40,7 @@ class ServePanel(Card):
         bridge.serving_changed.connect(self._on_state)
         bridge.model_loaded.connect(self._on_model)
         self.want = settings.serve_on  # switched on at the last run: on again once a model is loaded
+        self._failed = False
 
     @property
     def on(self) -> bool:
@@ -50,10 +51,12 @@ class ServePanel(Card):
         self.switch.setChecked(on)
 
     def _on_switch(self, checked: bool) -> None:
-        self.settings.serve_on = checked
-        self.want = checked
         self.port.setEnabled(not checked)
         self.api_key.setEnabled(not checked)
+        if self._failed:  # the server did not start: the switch goes back, the saved wish stays
+            return
+        self.settings.serve_on = checked
+        self.want = checked
         if checked == self.on:
             return
         if checked:
@@ -64,8 +67,8 @@ class ServePanel(Card):
             self.bridge.serve(None)
 
     def _on_model(self, _info: dict) -> None:
-        if self.want and not self.on:
-            self._on_switch(True)
+        if self.want and not self.on and not self.switch.isChecked():
+            self.switch.setChecked(True)
 
     def _on_state(self, state: dict) -> None:
         if state.get("error"):
@@ -82,8 +85,6 @@ class ServePanel(Card):
             self.status.setText("off" + (f" · finishing {busy} request{'s' if busy != 1 else ''}" if busy else ""))
             set_tone(self.status, "")
         if not state.get("on") and self.switch.isChecked() and state.get("error"):
-            self.switch.blockSignals(True)  # it did not start: the switch says so, the wish stays saved
+            self.want, self._failed = False, True
             self.switch.setChecked(False)
-            self.switch.blockSignals(False)
-            self.port.setEnabled(True)
-            self.api_key.setEnabled(True)
+            self._failed = False
