@@ -24,7 +24,8 @@ from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 
 from app.background import one_line as _one_line
 from app.bridge import Bridge
-from app.race_verdict import token_sources, verdict as race_verdict
+from app.generation import Generation
+from app.race_verdict import verdict as race_verdict
 
 EngineFactory = Callable[[Optional[str], Optional[str]], Any]  # (spec, drafter) -> engine.generate.Engine
 
@@ -204,7 +205,7 @@ class EngineWorker(QObject):
                 key: Any = None) -> dict:
         """Run one generation on the current engine; returns the result as a plain dict."""
         prompt, use_template = self._prompt_for(prompt)
-        run = _Generation(self.engine, self.bridge.telemetry, label, key, params, on_text, started)
+        run = Generation(self.engine, self.bridge.telemetry, label, key, params, on_text, started)
 
         def prefill_progress(done: int, total: int) -> None:
             if self.bridge.is_cancelled(rid):  # Stop or closing during a long prompt: end after this chunk
@@ -253,7 +254,7 @@ class EngineWorker(QObject):
         its answer come as the batch is pumped (the same signals, the same text as alone)."""
         b, serving = self.bridge, self.serving
         text, use_template = self._prompt_for(prompt)
-        run = _Generation(self.engine, b.telemetry, f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
+        run = Generation(self.engine, b.telemetry, f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
                           on_text=lambda piece: b.gen_text.emit(rid, piece),
                           started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
 
@@ -481,63 +482,6 @@ class EngineWorker(QObject):
 
 class _Cancelled(Exception):
     pass
-
-
-class _Generation:
-    """One generation's chunks into the app's result dict: the text as it streams, the text of
-    each token (the race's token diff), which drafter made each token (token colours) and the
-    telemetry. ``Engine.stream`` and the shared batch feed it alike (``on_round``, ``add``)."""
-
-    def __init__(self, eng: Any, tel: Any, label: str, key: Any, params: dict, on_text: Callable[[str], None],
-                 started: Callable[[str, int], None] | None = None):
-        from engine.detokenize import StreamingDetokenizer
-
-        self.eng, self.tel, self.label, self.key, self.params = eng, tel, label, key, params
-        self.on_text, self.started = on_text, started
-        self.kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
-                                              "seed", "stop", "system") if k in params and params[k] is not None}
-        self.detok = StreamingDetokenizer(eng.tokenizer)
-        self.pieces: list[str] = []
-        self.made_by: list[tuple[int, int, str]] = []  # per round (accepted, committed, drafted_by): token colours
-        self.result = None
-        self.first = True
-        tel.begin(label, key)
-
-    def on_round(self, ev: Any) -> None:
-        self.made_by.append((ev.accepted, ev.committed, ev.drafted_by))
-        self.tel.push_round({"index": ev.index, "t": ev.t, "drafted": ev.drafted, "accepted": ev.accepted,
-                             "committed": ev.committed, "cap": ev.cap, "context": ev.context,
-                             "generated": ev.generated, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
-                             "mode": ev.mode, "drafted_by": ev.drafted_by}, self.key)
-
-    def add(self, chunk: Any) -> None:
-        if chunk.event is not None and self.first:
-            self.first = False
-            if self.started is not None:
-                self.started(chunk.event.mode, chunk.event.context - chunk.event.generated)
-        for tok in chunk.token_ids:  # per-token text, for the race's token diff
-            self.pieces.append(self.detok.add([tok]))
-        if chunk.text:
-            self.on_text(chunk.text)
-        if chunk.result is not None:
-            self.result = chunk.result
-
-    def finish(self) -> dict:
-        r, tel = self.result, self.tel
-        pieces = self.pieces[: len(r.token_ids)]  # a stop string may have cut the last round short
-        if pieces and len(pieces) == len(r.token_ids):
-            pieces[-1] += self.detok.flush()  # an incomplete multi-byte character at the very end
-        out = r.to_dict()
-        out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
-                   sources=token_sources(self.made_by)[: len(r.token_ids)],
-                   ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
-                   cached_tokens=r.cached_tokens, model=self.eng.name,
-                   temperature=float(self.params.get("temperature") or 0.0))
-        tel.end(self.key, out)
-        if r.generated > 1 and r.finish_reason != "cancelled":
-            tel.push_point({"mode": r.mode, "tps": r.decode_tps, "context": r.prompt_tokens + r.generated / 2,
-                            "speculative": r.mode != "baseline", "accept": r.mean_accepted, "label": self.label})
-        return out
 
 
 # -- helpers (run in the worker thread) ----------------------------------------------------------
