@@ -2,7 +2,8 @@
 
 ``Engine.stream`` (a chat turn alone, a race lane) and the shared batch (a chat turn while the
 app serves its model, app.serving) feed a ``Generation`` alike, so the chat gets the same
-result either way.
+result either way. The worker hands it the engine's streaming detokenizer (only app.worker
+imports engine code).
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ class Generation:
     each token (the race's token diff), which drafter made each token (token colours) and the
     telemetry. ``Engine.stream`` and the shared batch feed it alike (``on_round``, ``add``)."""
 
-    def __init__(self, eng: Any, tel: Any, label: str, key: Any, params: dict, on_text: Callable[[str], None],
-                 started: Callable[[str, int], None] | None = None):
-        from engine.detokenize import StreamingDetokenizer
-
+    def __init__(self, eng: Any, detok: Any, tel: Any, label: str, key: Any, params: dict,
+                 on_text: Callable[[str], None], started: Callable[[str, int], None] | None = None):
         self.eng, self.tel, self.label, self.key, self.params = eng, tel, label, key, params
         self.on_text, self.started = on_text, started
         self.kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
                                               "seed", "stop", "system") if k in params and params[k] is not None}
-        self.detok = StreamingDetokenizer(eng.tokenizer)
+        self.detok = detok  # engine.detokenize.StreamingDetokenizer: the text of each token
         self.pieces: list[str] = []
         self.made_by: list[tuple[int, int, str]] = []  # per round (accepted, committed, drafted_by): token colours
         self.result = None

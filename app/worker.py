@@ -200,12 +200,19 @@ class EngineWorker(QObject):
             return list(prompt), True
         return "\n".join(m["content"] for m in prompt), False
 
+    def _generation(self, label: str, key: Any, params: dict, on_text: Callable[[str], None],
+                    started: Callable[[str, int], None] | None = None) -> Generation:
+        from engine.detokenize import StreamingDetokenizer
+
+        detok = StreamingDetokenizer(self.engine.tokenizer)
+        return Generation(self.engine, detok, self.bridge.telemetry, label, key, params, on_text, started)
+
     def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
                 started: Callable[[str, int], None] | None = None, prefix_cache: bool = True,
                 key: Any = None) -> dict:
         """Run one generation on the current engine; returns the result as a plain dict."""
         prompt, use_template = self._prompt_for(prompt)
-        run = Generation(self.engine, self.bridge.telemetry, label, key, params, on_text, started)
+        run = self._generation(label, key, params, on_text, started)
 
         def prefill_progress(done: int, total: int) -> None:
             if self.bridge.is_cancelled(rid):  # Stop or closing during a long prompt: end after this chunk
@@ -254,9 +261,9 @@ class EngineWorker(QObject):
         its answer come as the batch is pumped (the same signals, the same text as alone)."""
         b, serving = self.bridge, self.serving
         text, use_template = self._prompt_for(prompt)
-        run = Generation(self.engine, b.telemetry, f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
-                          on_text=lambda piece: b.gen_text.emit(rid, piece),
-                          started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+        run = self._generation(f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
+                               on_text=lambda piece: b.gen_text.emit(rid, piece),
+                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
 
         def on_chunk(chunk: Any) -> None:
             run.add(chunk)
@@ -293,8 +300,9 @@ class EngineWorker(QObject):
             return
         if self.serving is None:
             from app.serving import Serving
+            from engine.batching import DEFAULT_MAX_BATCH
 
-            self.serving = Serving(wake=self._wake.emit, on_event=self._server_event)
+            self.serving = Serving(self._wake.emit, self._server_event, DEFAULT_MAX_BATCH)
         try:
             self.serving.start(self.engine, int(options.get("port") or 0), options.get("api_key") or None)
         except Exception as err:  # the port is taken, most often
