@@ -320,7 +320,7 @@ class EngineWorker(QObject):
         """A server request's telemetry (engine.serve.worker's /events dicts) into the Telemetry tab."""
         tel, key, kind = self.bridge.telemetry, ("server", ev["id"]), ev["type"]
         if kind == "request":
-            tel.begin(f"server {ev.get('endpoint', '')} | {ev.get('mode') or 'auto'}", key)
+            tel.begin(f"server: {_DIALECTS.get(ev.get('endpoint', ''), ev.get('endpoint', ''))}", key)
         elif kind == "round":
             tel.push_round(ev, key)
         elif kind in ("result", "error"):
@@ -490,6 +490,10 @@ class EngineWorker(QObject):
 
 class _Cancelled(Exception):
     pass
+
+
+# What the Telemetry tab calls a server request, by route (engine.serve.routes)
+_DIALECTS = {"/chat/completions": "OpenAI chat", "/completions": "OpenAI completion", "/messages": "Anthropic"}
 
 
 # -- helpers (run in the worker thread) ----------------------------------------------------------

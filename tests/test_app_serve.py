@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 
+import anthropic
 import openai
 import pytest
 
@@ -207,8 +208,9 @@ def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win
     shown = [[table.topLevelItem(i).text(c) for c in (0, 2, 5, 6)] for i in range(table.topLevelItemCount())]
     rows = win.bridge.telemetry.snapshot().requests[::-1]  # newest first, as shown
     assert shown == [[r["label"], str(r["rounds"]), str(r["width"]), r["state"]] for r in rows]
-    assert [(r[0].split()[0], r[2]) for r in shown] == [("chat", "1"), ("server", "1"), ("chat", "2"),
-                                                       ("server", "2"), ("chat", "1"), ("server", "1")]
+    chat_row, server_row = "chat | lookup", "server: OpenAI chat"
+    assert [(r[0], r[2]) for r in shown] == [(chat_row, "1"), (server_row, "1"), (chat_row, "2"), (server_row, "2"),
+                                             (chat_row, "1"), (server_row, "1")]
 
 
 def test_loading_another_model_while_serving(win, qtbot):
@@ -241,8 +243,9 @@ def test_loading_another_model_while_serving(win, qtbot):
 
 
 def test_switch_setting_key_and_web_page_defaults_persist(make_win, qtbot):
-    """The port, the API key and the switch itself come back at the next run; the server keeps
-    ``tandem serve``'s defaults: the key on every route but /health, web pages refused."""
+    """The port, the API key and the switch itself come back at the next run; both dialects
+    answer; the server keeps ``tandem serve``'s defaults: the key on every route but /health,
+    web pages refused."""
     win = make_win()
     panel = win.models.serve_panel
     panel.api_key.setText("sesame")
@@ -264,8 +267,37 @@ def test_switch_setting_key_and_web_page_defaults_persist(make_win, qtbot):
     reply = openai.OpenAI(base_url=state["url"] + "/v1", api_key="sesame", max_retries=0).chat.completions.create(
         model="tiny", messages=AGENT, max_tokens=3)
     assert reply.usage.completion_tokens == 3
+    message = anthropic.Anthropic(base_url=state["url"], api_key="sesame", max_retries=0).messages.create(
+        model="tiny", messages=AGENT, max_tokens=3)  # the other dialect on the same port
+    assert message.usage.output_tokens == 3 and message.stop_reason == "max_tokens"
 
     again.serve_action.setChecked(False)  # the menu's switch is the same switch
     qtbot.waitUntil(lambda: not again.bridge.serving.get("on"), timeout=WAIT_MS)
     assert not again.models.serve_panel.switch.isChecked() and refused(state["port"])
     assert again.serve_status.text() == ""
+
+
+def test_telemetry_keeps_each_requests_rounds_and_follows_the_newest():
+    from app.telemetry_model import MAX_REQUESTS, TelemetryBuffer
+
+    tel = TelemetryBuffer()
+    tel.begin("server: OpenAI chat", "a")
+    tel.set_batch_width(1)
+    tel.push_round({"index": 0, "committed": 1, "accepted": 0, "mode": "lookup"}, "a")
+    tel.set_batch_width(2)
+    tel.begin("chat | lookup", "b")  # joins: the plot follows it, "a" keeps counting in its row
+    for key in ("a", "b", "a"):
+        tel.push_round({"index": 1, "committed": 3, "accepted": 2, "mode": "lookup"}, key)
+    snap = tel.snapshot()
+    assert [ev["committed"] for ev in snap.rounds] == [3] and snap.batch_width == 2
+    a, b = snap.requests
+    assert (a["rounds"], a["tokens"], a["accepted"], a["width"], a["state"]) == (2, 7, 4, 2, "running")
+    assert (b["rounds"], b["tokens"], b["width"]) == (1, 3, 2)
+    tel.end("b", {"finish_reason": "length", "tokens": 3, "batch_width": 2})
+    tel.end("nobody", error="ignored")
+    for i in range(MAX_REQUESTS + 5):  # finished rows give way first; the running one stays
+        tel.begin(f"chat {i}", i)
+        tel.end(i, {"finish_reason": "stop", "tokens": 1, "batch_width": 1})
+    rows = tel.snapshot().requests
+    assert len(rows) == MAX_REQUESTS and rows[0]["label"] == "server: OpenAI chat"
+    assert rows[-1]["label"] == f"chat {MAX_REQUESTS + 4}" and all(r["label"] != "chat | lookup" for r in rows)

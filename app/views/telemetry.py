@@ -82,7 +82,7 @@ class TelemetryView(QWidget):
         self.calib_bar.setValue(0)
         self.calib_bar.setFormat("")
         self.calib_status = plain_label("", "hint", wrap=False)
-        root.addLayout(hbox((title_label("Telemetry", "Live from the engine while it generates (Chat or Race)."), 1),
+        root.addLayout(hbox((title_label("Telemetry", "Live from the engine while it generates (Chat, Race or the local server)."), 1),
                             self.calib_status, self.calib_bar, self.calibrate_button))
 
         stats = hbox(spacing=10)
