@@ -192,6 +192,10 @@ def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win
 
     # switched off mid-stream: no new connection, the one in flight is answered to the end
     late = Stream(state, 120)
+    kept = http.client.HTTPConnection("127.0.0.1", state["port"], timeout=10)  # a kept-alive connection
+    kept.request("GET", "/health")
+    first = kept.getresponse()
+    assert first.status == 200 and first.read() and kept.sock is not None
     with held(serving, lambda: not serving.on):
         late.start()
         assert late.first.wait(30)
@@ -199,6 +203,11 @@ def test_server_and_chat_share_one_batch_and_switch_off_lets_requests_finish(win
         assert not off["on"] and refused(state["port"])
         with pytest.raises(openai.APIConnectionError):
             client(state).chat.completions.create(model="tiny", messages=AGENT, max_tokens=2)
+        kept.request("POST", "/v1/chat/completions", json.dumps({"messages": AGENT, "max_tokens": 2}),
+                     {"Content-Type": "application/json"})
+        answer = kept.getresponse()  # its next request is refused too
+        assert answer.status == 503 and "switched off" in answer.read().decode()
+        kept.close()
     assert late.result(qtbot) == agent_alone and late.finish == "length"
     qtbot.waitUntil(lambda: not win.bridge.serving.get("in_flight"), timeout=WAIT_MS)
     assert chat(qtbot, win, 12)["text"] == chat_alone["text"]  # the chat goes on alone

@@ -14,7 +14,8 @@ os.environ.setdefault("PYQTGRAPH_QT_LIB", "PySide6")
 
 import pyqtgraph as pg  # noqa: E402
 from PySide6.QtCore import QTimer  # noqa: E402
-from PySide6.QtWidgets import QGridLayout, QProgressBar, QPushButton, QTreeWidgetItem, QVBoxLayout, QWidget  # noqa: E402
+from PySide6.QtWidgets import (QGridLayout, QProgressBar, QPushButton, QTreeWidgetItem, QVBoxLayout,  # noqa: E402
+                               QWidget)
 
 from app import theme  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
@@ -82,7 +83,8 @@ class TelemetryView(QWidget):
         self.calib_bar.setValue(0)
         self.calib_bar.setFormat("")
         self.calib_status = plain_label("", "hint", wrap=False)
-        root.addLayout(hbox((title_label("Telemetry", "Live from the engine while it generates (Chat, Race or the local server)."), 1),
+        subtitle = "Live from the engine while it generates (Chat, Race or the local server)."
+        root.addLayout(hbox((title_label("Telemetry", subtitle), 1),
                             self.calib_status, self.calib_bar, self.calibrate_button))
 
         stats = hbox(spacing=10)

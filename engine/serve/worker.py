@@ -1,13 +1,15 @@
 """The server's engine thread: it loads the model and runs the generations.
 
 Handler threads only parse requests and relay chunks; every MLX call happens in this thread (MLX
-streams are thread-bound). ``JobRunner`` is the part without the thread (queue, admission,
-replies), so a host that already owns an engine thread (the desktop app) can drive it there. With ``max_batch`` > 1 requests decode together (engine/batching.py:
+streams are thread-bound). With ``max_batch`` > 1 requests decode together (engine/batching.py:
 continuous batching, a request joining between rounds after its own chunked prefill, a finished
 one leaving at once); with 1, one at a time through ``Engine.stream`` as before. Requests wait in
 a FIFO queue bounded by ``max_queue`` (a full queue answers 503 with Retry-After); a cancelled
 request that is still queued never starts, and a cancelled one in flight stops at the next
-round or prefill chunk."""
+round or prefill chunk.
+
+``JobRunner`` is all of it but the thread (queue, admission, replies), so a host that owns an
+engine thread already (the desktop app, app/serving.py) drives it there."""
 
 from __future__ import annotations
 
@@ -82,8 +84,7 @@ class JobRunner:
         self.ready = threading.Event()
         self.jobs: queue.Queue = queue.Queue()
         self.current: Job | None = None
-        self._stopping = False
-        self.refusal = "the server is shutting down"  # what submit answers once _stopping is set
+        self.refusal: str | None = None  # set: why submit answers 503 (shutting down, switched off)
 
     def attach(self, engine: Any, batcher: Any = None) -> None:
         """Serve ``engine`` (in the driving thread): batched through ``batcher`` when given (shared
@@ -106,8 +107,7 @@ class JobRunner:
     def refuse(self, message: str | None) -> None:
         """Answer every later ``submit`` with 503 and ``message`` (None: take jobs again); jobs
         already taken go on."""
-        self.refusal = message or ""
-        self._stopping = message is not None
+        self.refusal = message
 
     def admit_queued(self) -> None:
         """Take every queued job into the batch (never blocks)."""
@@ -121,7 +121,7 @@ class JobRunner:
                 self._admit(job)
 
     def submit(self, job: Job) -> Job:
-        if self._stopping:
+        if self.refusal is not None:
             raise RequestError(self.refusal, status=503, kind="api_error")
         if not self.ready.is_set():  # its prompt was rendered for the engine being replaced
             raise _retry_later("the model is being changed; retry shortly", "api_error")
