@@ -77,7 +77,10 @@ class EngineWorker(QObject):
         serving = self.serving
         if serving is not None:  # requests in flight end on the model they began on
             serving.pause()
-            serving.drain()
+            if serving.busy:
+                b.model_loading.emit(f"{label}, once the requests in flight are answered")
+                serving.drain()
+                b.model_loading.emit(label)
         try:
             import engine  # noqa: F401  (OpenBLAS before mlx.core)
 
