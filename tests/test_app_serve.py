@@ -7,11 +7,11 @@ never picked, so every request runs to its max_tokens)."""
 from __future__ import annotations
 
 import http.client
-from contextlib import contextmanager
 import json
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import anthropic
 import openai
@@ -27,7 +27,8 @@ AGENT = [{"role": "user", "content": "w20 w21 w22 w20 w21 w22 w20"}]
 
 
 class Named(ChatEngine):
-    """A second model to load while serving: the same weights under another name."""
+    """The tiny chat llama named by the spec it was loaded as: loading another spec gives another
+    model (same weights), told apart by its name and the prompts it encoded."""
 
     def __init__(self, name: str):
         super().__init__()
@@ -257,6 +258,14 @@ def test_switch_setting_key_and_web_page_defaults_persist(make_win, qtbot):
     web pages refused."""
     win = make_win()
     panel = win.models.serve_panel
+    with socket.socket() as taken:  # a port another program holds: the switch says why and goes back off
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        panel.port.setValue(taken.getsockname()[1])
+        with qtbot.waitSignal(win.bridge.serving_changed, timeout=WAIT_MS) as sig:
+            panel.set_on(True)
+    assert "cannot listen" in sig.args[0]["error"] and "cannot listen" in panel.status.text()
+    assert not panel.switch.isChecked() and not win.serve_action.isChecked() and panel.port.isEnabled()
     panel.api_key.setText("sesame")
     state = switch(qtbot, win, True)
     assert state["api_key"] and win.serve_action.isChecked() and state["url"] in win.serve_status.text()
