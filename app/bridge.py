@@ -24,6 +24,7 @@ class Bridge(QObject):
     race_requested = Signal(int, object, object, object)  # (request id, prompt, modes list, params dict)
     calibrate_requested = Signal(int, object)  # (request id, calibrate() keyword overrides or None)
     clear_cache_requested = Signal()  # forget cached prompt prefixes (a new or deleted chat)
+    serve_requested = Signal(object)  # local server on ({"port": int, "api_key": str | None}) or off (None)
 
     # -- replies: worker -> GUI ----------------------------------------------------------------
     device_info = Signal(object)  # {"backend", "device", "memory_bytes", "blas"}
@@ -47,6 +48,8 @@ class Bridge(QObject):
     calib_finished = Signal(int, object)  # (id, curves dict)
     calib_failed = Signal(int, str)
 
+    serving_changed = Signal(object)  # {"on", "url", "port", "api_key", "in_flight"[, "error"]}
+
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
         self._ids = itertools.count(1)
@@ -60,6 +63,8 @@ class Bridge(QObject):
         # (spec, drafter) of each load asked for and not yet answered, oldest first: the worker
         # answers each with exactly one model_loaded or model_failed, in order
         self.pending_loads: list[tuple] = []
+        self.serving: dict = {"on": False}  # the local server's last state (app.serving)
+        self.serving_changed.connect(self._remember_serving)
         self.model_loaded.connect(self._remember_model)
         self.model_failed.connect(self._load_answered)
         self.registry_rows.connect(self._remember_rows)
@@ -74,6 +79,9 @@ class Bridge(QObject):
 
     def _remember_rows(self, rows: list) -> None:
         self.pairs = list(rows)
+
+    def _remember_serving(self, state: dict) -> None:
+        self.serving = dict(state)
 
     # -- request ids and cancellation (read by the worker between rounds) ----------------------
     def next_id(self) -> int:
@@ -115,6 +123,10 @@ class Bridge(QObject):
         self.calibrate_requested.emit(rid, params)
         return rid
 
+    def serve(self, port: int | None, api_key: str | None = None) -> None:
+        """Switch the local server on at ``port`` (0: any free port) or off (None)."""
+        self.serve_requested.emit(None if port is None else {"port": int(port), "api_key": api_key or None})
+
 
 STOP_WAIT_MS = 3000  # how long closing waits for the worker to wind down
 _OUTLIVED: list["EngineHost"] = []  # hosts whose worker was still busy when their window closed
@@ -138,6 +150,7 @@ class EngineHost(QObject):
         bridge.race_requested.connect(self.worker.race)
         bridge.calibrate_requested.connect(self.worker.calibrate)
         bridge.clear_cache_requested.connect(self.worker.clear_prefix_cache)
+        bridge.serve_requested.connect(self.worker.serve)
         # Runs in the worker thread just before it ends (MLX streams are thread-bound).
         self.thread.finished.connect(self.worker.release, Qt.ConnectionType.DirectConnection)
 

@@ -59,7 +59,7 @@ class MainWindow(QMainWindow):
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.chat = ChatView(self.bridge, self.settings)
-        self.models = ModelsView(self.bridge, cache_dir=cache_dir, endpoint=endpoint)
+        self.models = ModelsView(self.bridge, cache_dir=cache_dir, endpoint=endpoint, settings=self.settings)
         self.chat.header.entries = lambda: self.models.entries  # the chat's model picker lists what the
         self.chat.header.load_entry = self.models.load_entry  # Models tab lists, and loads the same way
         self.models.listed.connect(self.chat.header.refresh_models)
@@ -81,7 +81,10 @@ class MainWindow(QMainWindow):
         self.busy.setFixedSize(90, 10)
         self.busy.setTextVisible(False)
         self.busy.hide()
+        self.serve_status = QLabel("")
+        self.serve_status.setObjectName("statusServe")
         bar.addWidget(self.model_status, 1)
+        bar.addPermanentWidget(self.serve_status)
         bar.addPermanentWidget(self.busy)
         bar.addPermanentWidget(self.device_status)
 
@@ -91,6 +94,7 @@ class MainWindow(QMainWindow):
         b.model_loaded.connect(self._on_model)
         b.model_failed.connect(self._on_model_failed)
         b.busy_changed.connect(self.busy.setVisible)
+        b.serving_changed.connect(self._on_serving)
         self._build_menus()
         hints = QGuiApplication.styleHints()
         if hasattr(hints, "colorSchemeChanged"):  # follow the OS while the theme is "system"
@@ -122,6 +126,13 @@ class MainWindow(QMainWindow):
         file_menu.addSeparator()
         action(file_menu, "Export chat as Markdown…", lambda: chat.export_conversation(fmt="markdown"), "Ctrl+E")
         action(file_menu, "Export chat as JSON…", lambda: chat.export_conversation(fmt="json"), "Ctrl+Shift+E")
+        file_menu.addSeparator()
+        switch = self.models.serve_panel.switch
+        self.serve_action = QAction("Serve the model on this machine", self, checkable=True)
+        self.serve_action.setChecked(switch.isChecked())
+        self.serve_action.toggled.connect(switch.setChecked)  # the Models tab's switch does the work
+        switch.toggled.connect(self.serve_action.setChecked)
+        file_menu.addAction(self.serve_action)
         file_menu.addSeparator()
         action(file_menu, "Quit", self.close, QKeySequence.StandardKey.Quit)
 
@@ -202,6 +213,9 @@ class MainWindow(QMainWindow):
         if info.get("drafter"):
             bits.append(f"drafter {info['drafter']}")
         self.model_status.setText("  ·  ".join(bits))
+
+    def _on_serving(self, state: dict) -> None:
+        self.serve_status.setText(f"serving at {state['url']}" if state.get("on") else "")
 
     def _on_model_failed(self, message: str) -> None:
         self.model_status.setText(message if not self.bridge.model_info else

@@ -18,6 +18,7 @@ ORGANISATION = "Tandem"
 APPLICATION = "Tandem"
 ENV_DATA = "TANDEM_APP_DATA"
 HISTORY_FILE = "conversations.sqlite3"
+DEFAULT_SERVE_PORT = 8080  # tandem serve's
 
 # Sampling and mode for a new conversation until the user saves their own defaults.
 SAMPLING_DEFAULTS = {"mode": "auto", "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 1024, "seed": -1}
@@ -99,6 +100,33 @@ class AppSettings:
     @font_size.setter
     def font_size(self, value: float) -> None:
         self.store.setValue("appearance/font_size", float(value))
+
+    # -- local server (app.serving) --------------------------------------------------------------
+    @property
+    def serve_on(self) -> bool:
+        """The switch was on when the app closed: it comes on again once a model is loaded."""
+        return self._get("serve/on", "false", str).lower() == "true"
+
+    @serve_on.setter
+    def serve_on(self, value: bool) -> None:
+        self.store.setValue("serve/on", "true" if value else "false")
+
+    @property
+    def serve_port(self) -> int:
+        value = self._get("serve/port", DEFAULT_SERVE_PORT, int)
+        return value if 0 <= value <= 65535 else DEFAULT_SERVE_PORT
+
+    @serve_port.setter
+    def serve_port(self, value: int) -> None:
+        self.store.setValue("serve/port", int(value))
+
+    @property
+    def serve_api_key(self) -> str:
+        return self._get("serve/api_key", "", str)
+
+    @serve_api_key.setter
+    def serve_api_key(self, value: str) -> None:
+        self.store.setValue("serve/api_key", value)
 
     # -- session ---------------------------------------------------------------------------------
     @property

@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 MAX_ROUNDS = 512  # round events kept for the acceptance plot (the current generation)
 MAX_POINTS = 256  # finished generations kept for the roofline plot
+MAX_REQUESTS = 32  # requests kept for the requests table (the running ones and the latest finished)
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Snapshot:
     model: dict
     calibration: Optional[dict]
     label: str = ""
+    requests: list[dict] = field(default_factory=list)  # oldest first: label, state, rounds, tokens, width...
+    batch_width: int = 0  # requests sharing the target's forwards now
 
 
 @dataclass
@@ -36,23 +39,62 @@ class TelemetryBuffer:
     calibration: Optional[dict] = None  # {"widths": [...], "verify_ms": [...], "draft_ms": {...}, ...}
     label: str = ""  # what the rounds belong to, e.g. "chat | dspark"
     version: int = 0  # bumps on every change; the view redraws only when it moved
+    batch_width: int = 0  # requests decoding together now (the chat's and the local server's)
 
     def __post_init__(self):
         self.rounds = deque(maxlen=self.max_rounds)
         self.points = deque(maxlen=self.max_points)
+        self.requests: dict[Any, dict] = {}  # key -> its row in the requests table, oldest first
+        self.followed: Any = None  # the request whose rounds the acceptance plot shows
         self._lock = threading.Lock()
 
-    def begin(self, label: str) -> None:
-        """A new generation starts: the acceptance plot follows it from round 0."""
+    def begin(self, label: str, key: Any = None) -> None:
+        """A new generation starts: the acceptance plot follows it from round 0 (the newest one,
+        when several decode together); ``key`` names it in the requests table."""
         with self._lock:
             self.rounds.clear()
             self.label = label
+            self.followed = key
+            self.requests[key] = {"label": label, "state": "running", "rounds": 0, "tokens": 0, "accepted": 0,
+                                  "mode": "", "width": max(self.batch_width, 1)}
+            while len(self.requests) > MAX_REQUESTS:
+                old = next((k for k, r in self.requests.items() if r["state"] != "running"), None)
+                self.requests.pop(old if old is not None else next(iter(self.requests)))
             self.version += 1
 
-    def push_round(self, event: dict) -> None:
+    def push_round(self, event: dict, key: Any = None) -> None:
+        """One round of request ``key``: its row counts it; the plot shows it if it follows it."""
         with self._lock:
-            self.rounds.append(event)
+            row = self.requests.get(key)
+            if row is not None:
+                row["rounds"] += int(event.get("index", 1) > 0)
+                row["tokens"] += int(event.get("committed", 0))
+                row["accepted"] += int(event.get("accepted", 0))
+                row["mode"] = event.get("mode") or row["mode"]
+                row["width"] = max(row["width"], self.batch_width)
+            if key == self.followed:
+                self.rounds.append(event)
             self.version += 1
+
+    def end(self, key: Any, result: Optional[dict] = None, error: str = "") -> None:
+        """Request ``key`` ended: its result (``GenerationResult.to_dict()``'s fields) or an error."""
+        with self._lock:
+            row = self.requests.get(key)
+            if row is None:
+                return
+            if result is not None:
+                row["state"] = result.get("finish_reason") or "done"
+                row["tokens"] = int(result.get("tokens", row["tokens"]))
+                row["width"] = int(result.get("batch_width") or row["width"])
+            else:
+                row["state"] = error or "failed"
+            self.version += 1
+
+    def set_batch_width(self, width: int) -> None:
+        with self._lock:
+            if width != self.batch_width:
+                self.batch_width = width
+                self.version += 1
 
     def push_point(self, point: dict) -> None:
         with self._lock:
@@ -78,7 +120,8 @@ class TelemetryBuffer:
     def snapshot(self) -> Snapshot:
         with self._lock:
             return Snapshot(self.version, list(self.rounds), list(self.points), dict(self.model),
-                            self.calibration, self.label)
+                            self.calibration, self.label, [dict(r) for r in self.requests.values()],
+                            self.batch_width)
 
 
 # -- the numbers the plots show -------------------------------------------------------------------

@@ -6,6 +6,12 @@ Views never call this directly: they emit the ``Bridge``'s request signals (queu
 thread) and listen to its reply signals. Cancellation is read from the bridge between rounds,
 so a Stop takes effect within one verify round. Every job catches its errors and reports them
 as one line: a failed load keeps the previous model; a failed lane does not end a race.
+
+While the app serves its model (app.serving), chat messages and the server's requests decode
+together in one batch that this thread pumps between its other jobs, one tick per pass of its
+event loop; a race or a calibration pauses the batch while it runs. Loading another model first
+answers every request in flight on the old one; server requests that come meanwhile wait for
+the new one.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import sys
 import traceback
 from typing import Any, Callable, Optional
 
-from PySide6.QtCore import QObject, QTimer, Slot
+from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 
 from app.background import one_line as _one_line
 from app.bridge import Bridge
-from app.race_verdict import token_sources, verdict as race_verdict
+from app.generation import Generation
+from app.race_verdict import verdict as race_verdict
 
 EngineFactory = Callable[[Optional[str], Optional[str]], Any]  # (spec, drafter) -> engine.generate.Engine
 
@@ -32,6 +39,8 @@ def _report(err: BaseException) -> None:
 
 
 class EngineWorker(QObject):
+    _wake = Signal()  # from the server's HTTP threads: a job is queued for the batch
+
     def __init__(self, bridge: Bridge, engine_factory: Optional[EngineFactory] = None):
         super().__init__()
         self.bridge = bridge
@@ -39,11 +48,22 @@ class EngineWorker(QObject):
         self.engine = None
         self._device_sent = False
         self._bandwidth: Optional[float] = None
+        self.serving = None  # app.serving.Serving, made in this thread when first switched on
+        self._pump_due = False
+        self._pumping = False
+        self._served: dict = {}  # the serving state last sent to the views
+        self._wake.connect(self._kick, Qt.ConnectionType.QueuedConnection)
 
     @Slot()
     def release(self) -> None:
         """Drop this thread's MLX streams as the thread ends: with MLX 0.32 a thread that ran
-        compiled functions can otherwise abort the process at exit."""
+        compiled functions can otherwise abort the process at exit. The local server closes
+        first and its requests end cancelled."""
+        if self.serving is not None:
+            try:
+                self.serving.shutdown()
+            except Exception as err:
+                _report(err)
         if "mlx.core" in sys.modules:
             sys.modules["mlx.core"].clear_streams()
 
@@ -54,6 +74,13 @@ class EngineWorker(QObject):
         label = spec or "starter model"
         b.busy_changed.emit(True)
         b.model_loading.emit(label)
+        serving = self.serving
+        if serving is not None:  # requests in flight end on the model they began on
+            serving.pause()
+            if serving.busy:
+                b.model_loading.emit(f"{label}, once the requests in flight are answered")
+                serving.drain()
+                b.model_loading.emit(label)
         try:
             import engine  # noqa: F401  (OpenBLAS before mlx.core)
 
@@ -72,8 +99,12 @@ class EngineWorker(QObject):
         except Exception as err:  # the previous engine (if any) stays usable
             _report(err)
             b.model_failed.emit(f"could not load {label}: {_one_line(err)}")
+            if serving is not None and self.engine is not None:
+                serving.attach(self.engine)
         else:
             previous, self.engine = self.engine, eng
+            if serving is not None:
+                serving.attach(eng)
             if previous is not None:
                 _clear_prefix_cache(previous)  # its cached prefixes would outlive it otherwise
             b.telemetry.set_model(info)
@@ -172,62 +203,33 @@ class EngineWorker(QObject):
             return list(prompt), True
         return "\n".join(m["content"] for m in prompt), False
 
-    def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
-                started: Callable[[str, int], None] | None = None, prefix_cache: bool = True) -> dict:
-        """Run one generation on the current engine; returns the result as a plain dict."""
+    def _generation(self, label: str, key: Any, params: dict, on_text: Callable[[str], None],
+                    started: Callable[[str, int], None] | None = None) -> Generation:
         from engine.detokenize import StreamingDetokenizer
 
-        eng = self.engine
-        prompt, use_template = self._prompt_for(prompt)
-        tel = self.bridge.telemetry
-        tel.begin(label)
-        pieces: list[str] = []
-        detok = StreamingDetokenizer(eng.tokenizer)
-        result = None
-        first = True
-        made_by: list[tuple[int, int, str]] = []  # per round (accepted, committed, drafted_by): token colours
+        detok = StreamingDetokenizer(self.engine.tokenizer)
+        return Generation(self.engine, detok, self.bridge.telemetry, label, key, params, on_text, started)
 
-        def on_round(ev) -> None:
-            made_by.append((ev.accepted, ev.committed, ev.drafted_by))
-            tel.push_round({"index": ev.index, "t": ev.t, "drafted": ev.drafted, "accepted": ev.accepted,
-                            "committed": ev.committed, "cap": ev.cap, "context": ev.context,
-                            "generated": ev.generated, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
-                            "mode": ev.mode, "drafted_by": ev.drafted_by})
+    def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
+                started: Callable[[str, int], None] | None = None, prefix_cache: bool = True,
+                key: Any = None) -> dict:
+        """Run one generation on the current engine; returns the result as a plain dict."""
+        prompt, use_template = self._prompt_for(prompt)
+        run = self._generation(label, key, params, on_text, started)
 
         def prefill_progress(done: int, total: int) -> None:
             if self.bridge.is_cancelled(rid):  # Stop or closing during a long prompt: end after this chunk
                 raise _Cancelled()
 
-        kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
-                                         "seed", "stop", "system") if k in params and params[k] is not None}
-        for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round, prefix_cache=prefix_cache,
-                                prefill_progress=prefill_progress, cancel=lambda: self.bridge.is_cancelled(rid),
-                                **kwargs):
-            if chunk.event is not None and first:
-                first = False
-                if started is not None:
-                    started(chunk.event.mode, chunk.event.context - chunk.event.generated)
-            if chunk.token_ids:
-                for tok in chunk.token_ids:  # per-token text, for the race's token diff
-                    pieces.append(detok.add([tok]))
-            if chunk.text:
-                on_text(chunk.text)
-            if chunk.result is not None:
-                result = chunk.result
-        r = result
-        pieces = pieces[: len(r.token_ids)]  # a stop string may have cut the last round short
-        if pieces and len(pieces) == len(r.token_ids):
-            pieces[-1] += detok.flush()  # an incomplete multi-byte character at the very end
-        out = r.to_dict()
-        out.update(text=r.text, token_ids=list(r.token_ids), token_times=list(r.token_times), pieces=pieces,
-                   sources=token_sources(made_by)[: len(r.token_ids)],
-                   ttft_s=r.ttft_s, rounds=list(r.rounds), decode_tps=r.decode_tps, mean_accepted=r.mean_accepted,
-                   cached_tokens=r.cached_tokens, model=eng.name,
-                   temperature=float(params.get("temperature") or 0.0))
-        if r.generated > 1 and r.finish_reason != "cancelled":
-            tel.push_point({"mode": r.mode, "tps": r.decode_tps, "context": r.prompt_tokens + r.generated / 2,
-                            "speculative": r.mode != "baseline", "accept": r.mean_accepted, "label": label})
-        return out
+        try:
+            for chunk in self.engine.stream(prompt, chat_template=use_template, on_round=run.on_round,
+                                            prefix_cache=prefix_cache, prefill_progress=prefill_progress,
+                                            cancel=lambda: self.bridge.is_cancelled(rid), **run.kwargs):
+                run.add(chunk)
+        except BaseException as err:  # the requests table says how it ended
+            self.bridge.telemetry.end(key, error="cancelled" if isinstance(err, _Cancelled) else _one_line(err))
+            raise
+        return run.finish()
 
     @Slot(int, object, object)
     def generate(self, rid: int, prompt: Any, params: dict) -> None:
@@ -238,11 +240,15 @@ class EngineWorker(QObject):
         if self.engine is None:
             b.gen_failed.emit(rid, "no model is loaded (see the Models tab)")
             return
+        if self.serving is not None and self.serving.batched:
+            self._generate_batched(rid, prompt, params)
+            return
         b.busy_changed.emit(True)
         try:
             out = self._stream(rid, prompt, params, f"chat | {params.get('mode', 'auto')}",
                                on_text=lambda text: b.gen_text.emit(rid, text),
-                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}),
+                               key=("chat", rid))
         except _Cancelled:  # stopped during the prefill: nothing was generated
             b.gen_failed.emit(rid, "cancelled")
         except Exception as err:
@@ -252,6 +258,103 @@ class EngineWorker(QObject):
             b.gen_finished.emit(rid, out)
         finally:
             b.busy_changed.emit(False)
+
+    def _generate_batched(self, rid: int, prompt: Any, params: dict) -> None:
+        """The chat message joins the batch it shares with the server's requests; its chunks and
+        its answer come as the batch is pumped (the same signals, the same text as alone)."""
+        b, serving = self.bridge, self.serving
+        text, use_template = self._prompt_for(prompt)
+        run = self._generation(f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
+                               on_text=lambda piece: b.gen_text.emit(rid, piece),
+                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+
+        def on_chunk(chunk: Any) -> None:
+            run.add(chunk)
+            if chunk.result is not None:
+                b.gen_finished.emit(rid, run.finish())
+
+        def on_error(err: BaseException) -> None:
+            _report(err)
+            b.telemetry.end(("chat", rid), error=_one_line(err))
+            b.gen_failed.emit(rid, _one_line(err))
+
+        try:
+            with serving.tokenizer_lock:  # not while a handler thread settles a new tokenizer (serve/routes.py)
+                serving.batcher_for(self.engine).submit(
+                    text, chat_template=use_template, on_chunk=on_chunk, on_error=on_error, on_round=run.on_round,
+                    cancel=lambda: b.is_cancelled(rid), **run.kwargs)
+        except Exception as err:  # a bad setting: refused before it joined
+            on_error(err)
+        else:
+            self._kick()
+
+    # -- the local server (app.serving) ------------------------------------------------------------
+    @Slot(object)
+    def serve(self, options: Optional[dict]) -> None:
+        """Switch the local server on (``{"port": int, "api_key": str | None}``) or off (None)."""
+        if options is None:
+            if self.serving is not None:
+                self.serving.stop()
+                self._kick()  # the requests in flight go on
+            self._send_serving()
+            return
+        if self.engine is None:
+            self._send_serving("no model is loaded (see the Models tab)")
+            return
+        if self.serving is None:
+            from app.serving import Serving
+            from engine.batching import DEFAULT_MAX_BATCH
+
+            self.serving = Serving(self._wake.emit, self._server_event, DEFAULT_MAX_BATCH)
+        try:
+            self.serving.start(self.engine, int(options.get("port") or 0), options.get("api_key") or None)
+        except Exception as err:  # the port is taken, most often
+            _report(err)
+            self._send_serving(_one_line(err))
+        else:
+            self._send_serving()
+
+    def _send_serving(self, error: str = "") -> None:
+        state = self.serving.state() if self.serving is not None else {"on": False}
+        self._served = state
+        self.bridge.serving_changed.emit({**state, "error": error} if error else state)
+
+    def _server_event(self, ev: dict) -> None:
+        """A server request's telemetry (engine.serve.worker's /events dicts) into the Telemetry tab."""
+        tel, key, kind = self.bridge.telemetry, ("server", ev["id"]), ev["type"]
+        if kind == "request":
+            tel.begin(f"server: {_DIALECTS.get(ev.get('endpoint', ''), ev.get('endpoint', ''))}", key)
+        elif kind == "round":
+            tel.push_round(ev, key)
+        elif kind in ("result", "error"):
+            tel.end(key, ev if kind == "result" else None, ev.get("message", ""))
+
+    @Slot()
+    def _kick(self) -> None:
+        """Pump the batch on the next pass of this thread's event loop (once, however often asked)."""
+        if not self._pump_due:
+            self._pump_due = True
+            QTimer.singleShot(0, self._pump)
+
+    def _pump(self) -> None:
+        self._pump_due = False
+        serving = self.serving
+        if serving is None:
+            return
+        try:
+            more = serving.pump()
+        except Exception as err:  # a bug must not stop the worker; the batch's own errors fail its requests
+            _report(err)
+            more = False
+        batcher = serving.batcher
+        self.bridge.telemetry.set_batch_width(batcher.occupancy if batcher is not None else 0)
+        if serving.state() != self._served:  # requests in flight changed: the switch's status line follows
+            self._send_serving()
+        if more != self._pumping:
+            self._pumping = more
+            self.bridge.busy_changed.emit(more)
+        if more:
+            self._kick()
 
     # -- race ----------------------------------------------------------------------------------
     @Slot(int, object, object, object)
@@ -277,7 +380,7 @@ class EngineWorker(QObject):
                 try:
                     lane = self._stream(rid, prompt, dict(params, mode=mode), f"race | {mode}",
                                         on_text=lambda text, i=i: b.race_lane_text.emit(rid, i, text),
-                                        prefix_cache=False)  # every lane prefills alike: a fair race
+                                        prefix_cache=False, key=("race", rid, i))  # every lane prefills alike
                     lane["mode_requested"] = mode
                 except _Cancelled:
                     lane = {"mode": mode, "error": "cancelled"}
@@ -390,6 +493,10 @@ class EngineWorker(QObject):
 
 class _Cancelled(Exception):
     pass
+
+
+# What the Telemetry tab calls a server request, by route (engine.serve.routes)
+_DIALECTS = {"/chat/completions": "OpenAI chat", "/completions": "OpenAI completion", "/messages": "Anthropic"}
 
 
 # -- helpers (run in the worker thread) ----------------------------------------------------------

@@ -17,8 +17,10 @@ from PySide6.QtWidgets import QMessageBox, QPushButton, QSplitter, QTreeWidgetIt
 from app import hub
 from app.background import Job
 from app.bridge import Bridge
+from app.settings import AppSettings
 from app.views.common import Card, hbox, model_table, plain_label, set_tone, title_label
 from app.views.model_search import HubPanel
+from app.views.serve_panel import ServePanel
 
 COLUMNS = ("Model", "Source", "Kind", "Format", "Size on disk", "Memory needed", "Fits", "Registry pair", "Status")
 
@@ -34,7 +36,7 @@ class ModelsView(QWidget):
     listed = Signal()  # the model list was (re)scanned: the chat's model picker follows
 
     def __init__(self, bridge: Bridge, cache_dir: Optional[str] = None, endpoint: Optional[str] = None,
-                 parent: Optional[QWidget] = None):
+                 parent: Optional[QWidget] = None, settings: Optional[AppSettings] = None):
         super().__init__(parent)
         self.bridge = bridge
         self.cache_dir = cache_dir
@@ -63,6 +65,8 @@ class ModelsView(QWidget):
                                                   "LM Studio and Ollama. Targets generate; drafters speed a "
                                                   "target up."), 1),
                             self.memory_label, self.refresh_button))
+        self.serve_panel = ServePanel(bridge, settings or AppSettings())
+        root.addWidget(self.serve_panel)
 
         table_card = Card()
         self.table = model_table(COLUMNS)

@@ -1,4 +1,5 @@
-"""Telemetry tab: live roofline, acceptance per round and the verify cost curve.
+"""Telemetry tab: live roofline, acceptance per round, the verify cost curve, and the requests
+decoding together (the chat's and the local server's: each one's rounds and batch width).
 
 Plots redraw on a fixed ~10 Hz timer from the bridge's bounded telemetry buffer (filled by the
 worker thread), never per token, so decoding never waits on the GUI.
@@ -13,16 +14,18 @@ os.environ.setdefault("PYQTGRAPH_QT_LIB", "PySide6")
 
 import pyqtgraph as pg  # noqa: E402
 from PySide6.QtCore import QTimer  # noqa: E402
-from PySide6.QtWidgets import QGridLayout, QProgressBar, QPushButton, QVBoxLayout, QWidget  # noqa: E402
+from PySide6.QtWidgets import (QGridLayout, QProgressBar, QPushButton, QTreeWidgetItem, QVBoxLayout,  # noqa: E402
+                               QWidget)
 
 from app import theme  # noqa: E402
 from app.bridge import Bridge  # noqa: E402
 from app.telemetry_model import acceptance_series, ceiling_curve, ceiling_tps, live_tps  # noqa: E402
-from app.views.common import (ACCENT, ACCENT_SOFT, GOOD, MUTED, WARN, Card, Stat, hbox, plain_label,  # noqa: E402
-                              set_tone, title_label)
+from app.views.common import (ACCENT, ACCENT_SOFT, GOOD, MUTED, WARN, Card, Stat, hbox, model_table,  # noqa: E402
+                              plain_label, set_tone, title_label)
 
 REDRAW_MS = 100
 ACCEPT_WINDOW = 160  # rounds shown in the acceptance plot
+REQUEST_COLUMNS = ("Request", "Mode", "Rounds", "Tokens", "Tokens/round", "Batch width", "State")
 
 pg.setConfigOptions(antialias=True)
 
@@ -80,7 +83,8 @@ class TelemetryView(QWidget):
         self.calib_bar.setValue(0)
         self.calib_bar.setFormat("")
         self.calib_status = plain_label("", "hint", wrap=False)
-        root.addLayout(hbox((title_label("Telemetry", "Live from the engine while it generates (Chat or Race)."), 1),
+        subtitle = "Live from the engine while it generates (Chat, Race or the local server)."
+        root.addLayout(hbox((title_label("Telemetry", subtitle), 1),
                             self.calib_status, self.calib_bar, self.calibrate_button))
 
         stats = hbox(spacing=10)
@@ -89,7 +93,9 @@ class TelemetryView(QWidget):
         self.stat_roof = Stat("× roofline")
         self.stat_tau = Stat("tokens per round")
         self.stat_bw = Stat("memory bandwidth")
-        for s in (self.stat_live, self.stat_ceiling, self.stat_roof, self.stat_tau, self.stat_bw):
+        self.stat_batch = Stat("batch width")
+        self.stat_batch.setToolTip("requests sharing each target forward now (the chat's and the local server's)")
+        for s in (self.stat_live, self.stat_ceiling, self.stat_roof, self.stat_tau, self.stat_bw, self.stat_batch):
             stats.addWidget(s)
         root.addLayout(stats)
 
@@ -141,9 +147,15 @@ class TelemetryView(QWidget):
         cost_card.body.addWidget(self.cost_hint)
         self.subtitle = plain_label("", "hint")
 
+        requests_card = Card("Requests")
+        self.requests_table = model_table(list(REQUEST_COLUMNS))
+        self.requests_table.setSelectionMode(self.requests_table.SelectionMode.NoSelection)
+        requests_card.body.addWidget(self.requests_table)
+
         grid.addWidget(roof_card, 0, 0)
         grid.addWidget(acc_card, 0, 1)
-        grid.addWidget(cost_card, 1, 0, 1, 2)
+        grid.addWidget(cost_card, 1, 0)
+        grid.addWidget(requests_card, 1, 1)
         grid.setRowStretch(0, 3)
         grid.setRowStretch(1, 2)
         root.addLayout(grid, 1)
@@ -180,7 +192,19 @@ class TelemetryView(QWidget):
         self._draw_roofline(snap)
         self._draw_acceptance(snap)
         self._draw_costs(snap)
+        self._draw_requests(snap)
         return True
+
+    def _draw_requests(self, snap) -> None:
+        """Newest first: each request's rounds, tokens, and the most requests it shared a forward with."""
+        self.stat_batch.set(str(snap.batch_width) if snap.batch_width else "–")
+        table = self.requests_table
+        table.clear()
+        for r in reversed(snap.requests):
+            rounds = r["rounds"]
+            per_round = f"{(r['accepted'] + rounds) / rounds:.2f}" if rounds else "–"
+            table.addTopLevelItem(QTreeWidgetItem([r["label"], r["mode"] or "–", str(rounds), str(r["tokens"]),
+                                                   per_round, str(r["width"]), r["state"]]))
 
     def _draw_roofline(self, snap) -> None:
         m = snap.model

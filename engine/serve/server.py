@@ -35,11 +35,15 @@ rendering and output parsing shared by both).
   ``usage.prompt_tokens_details.cached_tokens`` (OpenAI), ``usage.cache_read_input_tokens``
   (Anthropic, whose ``input_tokens`` then counts the rest) and ``x_tandem.cached_tokens``.
 
-In-process use (tests, the app)::
+In-process use (tests)::
 
     srv = make_server(lambda: tandem.load(), port=0).start()
     ... srv.url ...
     srv.stop()
+
+A host that owns the engine thread already (the desktop app) passes its own ``JobRunner``
+(``runner=``) and drives it there; ``stop()`` then closes the port and leaves the requests in
+flight to that thread, which answers them to the end.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from engine.errors import TandemError
 from engine.serve.http import Access, HTTPServer
 from engine.serve.metrics import EventHub, Metrics
 from engine.serve.routes import Handler
-from engine.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker
+from engine.serve.worker import DEFAULT_MAX_QUEUE, EngineWorker, JobRunner
 
 
 @dataclass
@@ -93,16 +97,21 @@ def model_context(engine: Any) -> int | None:
 
 class TandemServer:
     """The HTTP server plus its engine thread. ``start()`` returns at once (the model loads in the
-    engine thread; requests wait for it); ``wait_ready()`` blocks until it is loaded."""
+    engine thread; requests wait for it); ``wait_ready()`` blocks until it is loaded. With
+    ``runner`` (and no factory) the host's thread drives the engine instead."""
 
-    def __init__(self, engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
-                 api_key: str | None = None, config: ServerConfig | None = None):
+    def __init__(self, engine_factory: Callable[[], Any] | None, host: str = "127.0.0.1", port: int = 8080,
+                 api_key: str | None = None, config: ServerConfig | None = None, *, runner: JobRunner | None = None):
         self.config = config or ServerConfig()
         self.api_key = (api_key or "").strip() or None  # the handler strips what clients send, too
-        self.metrics = Metrics()
-        self.events = EventHub(self.metrics)
-        self.worker = EngineWorker(engine_factory, self.events, self.metrics, max_batch=self.config.max_batch,
-                                   max_queue=self.config.max_queue)
+        self.hosted = runner is not None
+        if runner is not None:
+            self.metrics, self.events, self.worker = runner.metrics, runner.events, runner
+        else:
+            self.metrics = Metrics()
+            self.events = EventHub(self.metrics)
+            self.worker = EngineWorker(engine_factory, self.events, self.metrics, max_batch=self.config.max_batch,
+                                       max_queue=self.config.max_queue)
         self.tokenizer_lock = threading.Lock()  # only for the tokenizer's first use (routes.Handler._tokenizer)
         self.settled_tokenizer: Any = None
         self.started_at = time.time()
@@ -132,7 +141,8 @@ class TandemServer:
         return model_context(self.worker.engine) if self.worker.engine is not None else None
 
     def start(self) -> "TandemServer":
-        self.worker.start()
+        if not self.hosted:
+            self.worker.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="tandem-http", daemon=True)
         self._thread.start()
@@ -146,10 +156,16 @@ class TandemServer:
         return self
 
     def stop(self) -> None:
+        """Close the port. Our own engine thread cancels what runs and ends; a host's runner
+        refuses new requests (a kept-alive connection's next one gets 503) and its thread answers
+        those in flight to the end."""
         self.events.close()
         if self._thread is not None:
             self.httpd.shutdown()
-        self.worker.stop()
+        if self.hosted:
+            self.worker.refuse("the server was switched off")
+        else:
+            self.worker.stop()
         self.httpd.server_close()
 
     def __enter__(self) -> "TandemServer":

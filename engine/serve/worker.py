@@ -6,7 +6,10 @@ continuous batching, a request joining between rounds after its own chunked pref
 one leaving at once); with 1, one at a time through ``Engine.stream`` as before. Requests wait in
 a FIFO queue bounded by ``max_queue`` (a full queue answers 503 with Retry-After); a cancelled
 request that is still queued never starts, and a cancelled one in flight stops at the next
-round or prefill chunk."""
+round or prefill chunk.
+
+``JobRunner`` is all of it but the thread (queue, admission, replies), so a host that owns an
+engine thread already (the desktop app, app/serving.py) drives it there."""
 
 from __future__ import annotations
 
@@ -35,6 +38,13 @@ class _Cancelled(Exception):
     pass
 
 
+def _retry_later(message: str, kind: str) -> RequestError:
+    """A 503 that tells the client when to come back (``Retry-After``)."""
+    error = RequestError(message, status=503, kind=kind)
+    error.retry_after = RETRY_AFTER_S
+    return error
+
+
 @dataclass(eq=False)  # jobs are told apart by identity (sets of running jobs)
 class Job:
     id: str
@@ -47,21 +57,26 @@ class Job:
     started: float = 0.0
 
 
-class EngineWorker(threading.Thread):
-    """Owns the engine: loads it (``engine_factory()`` runs here) and runs jobs one at a time.
+class JobRunner:
+    """Jobs onto one engine, without a thread of its own: the queue the handler threads fill
+    (``submit``), admission into the batch and the replies on each job's ``out`` queue. The thread
+    that owns the engine drives it: ``EngineWorker`` below for ``tandem serve``; the desktop app's
+    engine thread when it serves the model it holds (``attach`` it with the app's own ``Batcher``,
+    then ``admit_queued`` and step while ``has_work``; ``wake`` tells that thread a job came).
 
     A job's ``out`` queue receives ``("text", str)`` per round, then ``("result", GenerationResult)``,
     or ``("error", message, http_status)``, or ``("cancelled",)`` when it was cancelled before it began.
+    ``on_event`` (the driving thread) gets the dicts ``/events`` publishes: request, round, result, error.
     """
 
-    def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics,
-                 max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
-        super().__init__(name="tandem-engine", daemon=True)
-        self.factory = engine_factory
+    def __init__(self, events: EventHub, metrics: Metrics, max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE,
+                 *, wake: Callable[[], None] | None = None, on_event: Callable[[dict], None] | None = None):
         self.events = events
         self.metrics = metrics
         self.max_batch = max(1, int(max_batch))
         self.max_queue = max(1, int(max_queue))
+        self.wake = wake
+        self.on_event = on_event
         self.batcher: Any = None  # engine.batching.Batcher when max_batch > 1
         self.running: set[Job] = set()  # batched jobs admitted and not yet answered
         self.engine: Any = None
@@ -69,77 +84,56 @@ class EngineWorker(threading.Thread):
         self.ready = threading.Event()
         self.jobs: queue.Queue = queue.Queue()
         self.current: Job | None = None
-        self._stopping = False
+        self.refusal: str | None = None  # set: why submit answers 503 (shutting down, switched off)
 
-    def run(self) -> None:
-        try:
-            try:
-                self.engine = self.factory()
-            except Exception as e:  # TandemError and anything else: the server reports it, never dies
-                self.load_error = str(e) if isinstance(e, TandemError) else f"{type(e).__name__}: {e}"
-                log.error("model load failed: %s", self.load_error)
-            finally:
-                self.ready.set()
-            if self.engine is not None and self.max_batch > 1:
-                from engine.batching import Batcher
+    def attach(self, engine: Any, batcher: Any = None) -> None:
+        """Serve ``engine`` (in the driving thread): batched through ``batcher`` when given (shared
+        with the host's own requests), else through a new one when ``max_batch`` > 1."""
+        self.engine = engine
+        self.batcher = batcher
+        if batcher is None and self.max_batch > 1:
+            from engine.batching import Batcher
 
-                self.batcher = Batcher(self.engine, self.max_batch)
-                if self.batcher.alone_reason:
-                    log.info("requests run one at a time: %s", self.batcher.alone_reason)
-                self._run_batched()
-                return
-            while self.engine is not None:
-                job = self.jobs.get()
-                if job is None:
-                    return
-                self.metrics.gauge("queued", -1)
-                self.current = job
-                try:
-                    self._run(job)
-                finally:
-                    self.current = None
-        finally:
-            # Free the model and this thread's MLX streams before the thread ends. Without
-            # clear_streams (MLX 0.32) a thread that ran compiled functions can abort the process at
-            # exit: "terminate called without an active exception".
-            self.engine = None
-            gc.collect()
-            import mlx.core as mx
+            self.batcher = Batcher(engine, self.max_batch)
+            if self.batcher.alone_reason:
+                log.info("requests run one at a time: %s", self.batcher.alone_reason)
+        self.ready.set()
 
-            mx.clear_streams()
+    @property
+    def has_work(self) -> bool:
+        """Jobs waiting to be admitted or being answered."""
+        return bool(self.running) or not self.jobs.empty()
 
-    def submit(self, job: Job) -> Job:
-        if self._stopping:
-            raise RequestError("the server is shutting down", status=503, kind="api_error")
-        if self.jobs.qsize() >= self.max_queue:
-            self.metrics.add(rejected=1)
-            error = RequestError(f"the server is busy: {self.max_queue} requests are waiting; retry shortly",
-                                 status=503, kind="overloaded_error")
-            error.retry_after = RETRY_AFTER_S
-            raise error
-        self.metrics.gauge("queued", 1)
-        self.jobs.put(job)
-        return job
+    def refuse(self, message: str | None) -> None:
+        """Answer every later ``submit`` with 503 and ``message`` (None: take jobs again); jobs
+        already taken go on."""
+        self.refusal = message
 
-    # -- batched ----------------------------------------------------------------------------
-    def _run_batched(self) -> None:
-        """Admit what arrived (blocking only when nothing runs), then one tick of the batch."""
-        batcher = self.batcher
+    def admit_queued(self) -> None:
+        """Take every queued job into the batch (never blocks)."""
         while True:
-            block = not batcher.busy
-            while True:
-                try:
-                    job = self.jobs.get(block=block)
-                except queue.Empty:
-                    break
-                if job is None:  # stopping: the jobs in flight were cancelled; let them end so
-                    batcher.step()
-                    return
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
                 self.metrics.gauge("queued", -1)
                 self._admit(job)
-                block = False
-            batcher.step()
-            self.metrics.set_gauge("batch_occupancy", batcher.occupancy)
+
+    def submit(self, job: Job) -> Job:
+        if self.refusal is not None:
+            raise RequestError(self.refusal, status=503, kind="api_error")
+        if not self.ready.is_set():  # its prompt was rendered for the engine being replaced
+            raise _retry_later("the model is being changed; retry shortly", "api_error")
+        if self.jobs.qsize() >= self.max_queue:
+            self.metrics.add(rejected=1)
+            raise _retry_later(f"the server is busy: {self.max_queue} requests are waiting; retry shortly",
+                               "overloaded_error")
+        self.metrics.gauge("queued", 1)
+        self.jobs.put(job)
+        if self.wake is not None:
+            self.wake()
+        return job
 
     def _admit(self, job: Job) -> None:
         if job.cancel.is_set():
@@ -169,27 +163,34 @@ class EngineWorker(threading.Thread):
             log.error("generation %s failed:\n%s", job.id, traceback.format_exc())
             self._failed(job, f"internal error: {type(e).__name__}: {e}", 500)
 
-    def _publisher(self, job: Job) -> Callable[[Any], None]:
-        events = self.events
+    @property
+    def _observed(self) -> bool:
+        return self.on_event is not None or self.events.active
 
+    def _publish(self, event: dict, evict: bool = False) -> None:
+        if self.on_event is not None:
+            self.on_event(event)
+        if self.events.active:
+            self.events.publish(event, evict=evict)
+
+    def _publisher(self, job: Job) -> Callable[[Any], None]:
         def on_round(ev: Any) -> None:
-            if events.active:
-                events.publish({"type": "round", "id": job.id, **dataclasses.asdict(ev)})
+            if self._observed:
+                self._publish({"type": "round", "id": job.id, **dataclasses.asdict(ev)})
 
         return on_round
 
     def _announce(self, job: Job) -> None:
-        if self.events.active:
-            self.events.publish({"type": "request", "id": job.id, "endpoint": job.endpoint,
-                                 "prompt_tokens": len(job.prompt_ids), "queue_s": round(job.started - job.submitted, 4),
-                                 **{k: job.kwargs.get(k) for k in ("mode", "max_new_tokens", "temperature")}},
-                                evict=True)
+        if self._observed:
+            self._publish({"type": "request", "id": job.id, "endpoint": job.endpoint,
+                           "prompt_tokens": len(job.prompt_ids), "queue_s": round(job.started - job.submitted, 4),
+                           **{k: job.kwargs.get(k) for k in ("mode", "max_new_tokens", "temperature")}}, evict=True)
 
     def _delivered(self, job: Job, result: Any) -> None:
         self.running.discard(job)
         self.metrics.result(result)
-        if self.events.active:
-            self.events.publish({"type": "result", "id": job.id, **result.to_dict()}, evict=True)
+        if self._observed:
+            self._publish({"type": "result", "id": job.id, **result.to_dict()}, evict=True)
         job.out.put(("result", result))
 
     def _run(self, job: Job) -> None:
@@ -224,12 +225,14 @@ class EngineWorker(threading.Thread):
         self.running.discard(job)
         if status is not None:
             self.metrics.add(errors=1)
-        if self.events.active:
-            self.events.publish({"type": "error", "id": job.id, "message": message}, evict=True)
+        if self._observed:
+            self._publish({"type": "error", "id": job.id, "message": message}, evict=True)
         job.out.put(("error", message, status) if status is not None else ("cancelled",))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stopping = True
+    def cancel_all(self, message: str) -> None:
+        """Refuse new jobs, answer the queued ones with 503 and cancel those in flight (each ends
+        "cancelled" at the engine's next round or prefill chunk)."""
+        self.refuse(message)
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -237,11 +240,79 @@ class EngineWorker(threading.Thread):
                 break
             if job is not None:
                 job.cancel.set()
-                job.out.put(("error", "the server is shutting down", 503))
+                job.out.put(("error", message, 503))
         current = self.current
         if current is not None:
             current.cancel.set()
-        for job in list(self.running):  # batched: each ends "cancelled" at the engine's next tick
+        for job in list(self.running):
             job.cancel.set()
+
+
+class EngineWorker(JobRunner, threading.Thread):
+    """``tandem serve``'s engine thread: loads the model (``engine_factory()`` runs here) and runs
+    the jobs: batched with ``max_batch`` > 1, else one at a time."""
+
+    def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics,
+                 max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
+        JobRunner.__init__(self, events, metrics, max_batch, max_queue)
+        threading.Thread.__init__(self, name="tandem-engine", daemon=True)
+        self.factory = engine_factory
+
+    def run(self) -> None:
+        try:
+            try:
+                self.attach(self.factory())
+            except Exception as e:  # TandemError and anything else: the server reports it, never dies
+                self.engine = None
+                self.load_error = str(e) if isinstance(e, TandemError) else f"{type(e).__name__}: {e}"
+                log.error("model load failed: %s", self.load_error)
+            finally:
+                self.ready.set()
+            if self.batcher is not None:
+                self._run_batched()
+                return
+            while self.engine is not None:
+                job = self.jobs.get()
+                if job is None:
+                    return
+                self.metrics.gauge("queued", -1)
+                self.current = job
+                try:
+                    self._run(job)
+                finally:
+                    self.current = None
+        finally:
+            # Free the model and this thread's MLX streams before the thread ends. Without
+            # clear_streams (MLX 0.32) a thread that ran compiled functions can abort the process at
+            # exit: "terminate called without an active exception".
+            self.engine = None
+            self.batcher = None
+            gc.collect()
+            import mlx.core as mx
+
+            mx.clear_streams()
+
+    # -- batched ----------------------------------------------------------------------------
+    def _run_batched(self) -> None:
+        """Admit what arrived (blocking only when nothing runs), then one tick of the batch."""
+        batcher = self.batcher
+        while True:
+            block = not batcher.busy
+            while True:
+                try:
+                    job = self.jobs.get(block=block)
+                except queue.Empty:
+                    break
+                if job is None:  # stopping: the jobs in flight were cancelled; let them end so
+                    batcher.step()
+                    return
+                self.metrics.gauge("queued", -1)
+                self._admit(job)
+                block = False
+            batcher.step()
+            self.metrics.set_gauge("batch_occupancy", batcher.occupancy)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.cancel_all("the server is shutting down")
         self.jobs.put(None)
         self.join(timeout)
