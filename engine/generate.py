@@ -129,6 +129,21 @@ class Engine:
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
+        self.vision: Any = None  # engine.vision.Vision: the model takes images (a model loaded through mlx-vlm)
+        if loaded is not None and getattr(loaded, "vision", None) is not None:
+            from engine import vision
+
+            self.vision = vision.attach(self, loaded.vision)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None and self.vision.takes_images
+
+    def image_refusal(self) -> str | None:
+        """Why this engine takes no images (one line), or None when it does."""
+        if self.vision is None:
+            return f"{self.name} takes no images (a text-only model)"
+        return None if self.vision.takes_images else f"{self.name} takes no images here: {self.vision.refused}"
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
@@ -235,11 +250,15 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
         prefix_cache: bool = True,
+        images: Sequence[Any] = (),
     ) -> Iterator[Chunk]:
+        """``images`` (engine.images.Image) go with a text prompt, before its text; chat messages
+        carry theirs as {"type": "image", "image": Image} content parts (engine/vision.py)."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
-        prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
+        image = self._image_prompt(prompt, images, system) if images or _has_images(prompt) else None
+        prompt_ids = image.ids if image is not None else self.encode(prompt, chat_template=chat_template, system=system)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
@@ -264,10 +283,13 @@ class Engine:
         t_first = None
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         store = self.prefix_cache if prefix_cache else None
-        plan = store.plan(self.target, drafter, prompt_ids) if store is not None else None
+        key = image.key if image is not None else prompt_ids  # an image prompt is keyed by its images too
+        plan = store.plan(self.target, drafter, key) if store is not None else None
         steps = decode(self.target, drafter, prompt_ids, sampler, max_new_tokens=max_new_tokens, eos_ids=eos,
                        cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress,
                        resume=plan.resume if plan else None, on_prefill=plan.on_prefill if plan else None)
+        if image is not None:
+            steps = _prefilled_with(self.target, image.embeddings, steps)
         stopped = False
         try:
             for new, event in steps:
@@ -292,6 +314,7 @@ class Engine:
         finally:
             steps.close()
             if plan is not None:  # also after a cancelled prefill: the chunks done are kept
+                stats.ids[: len(key)] = key
                 self._remember(store, plan, stats, drafter)
         if not stopped:
             text, _ = stops.feed(detok.flush())
@@ -321,6 +344,22 @@ class Engine:
         return result
 
     # -- helpers ------------------------------------------------------------------------------
+    def _image_prompt(self, prompt: Prompt, images: Sequence[Any], system: str | None) -> Any:
+        from engine import vision
+
+        refusal = self.image_refusal()
+        if refusal is not None:
+            raise vision.ImageError(refusal)
+        if isinstance(prompt, str):
+            parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
+            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": parts}]
+        elif images:
+            raise TandemError("pass images inside the chat messages (image content parts), not beside them")
+        elif not prompt or not isinstance(prompt[0], dict):
+            raise TandemError("an image prompt must be text or chat messages")
+        messages, found = vision.split_images(prompt)
+        return vision.image_prompt(self, messages, found)
+
     @staticmethod
     def _remember(store: PrefixCache, plan: Any, stats: DecodeStats, drafter: Drafter | None) -> None:
         try:
@@ -354,6 +393,25 @@ class Engine:
             if len(self.tokenizer.decode(tokens[:n], skip_special_tokens=False)) > cut:
                 return tokens[:n]
         return tokens
+
+
+def _has_images(prompt: Prompt) -> bool:
+    from engine.vision import has_images
+
+    return not isinstance(prompt, str) and has_images(prompt)
+
+
+def _prefilled_with(target: Target, embeddings: Callable[[int, int], Any], steps: Iterator) -> Iterator:
+    """``steps`` with the target's prefill reading an image prompt's embeddings (the first step)."""
+    try:
+        with target.prompt_embeddings(embeddings):
+            first = next(steps, None)
+        if first is None:
+            return
+        yield first
+        yield from steps
+    finally:
+        steps.close()
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
