@@ -251,13 +251,18 @@ class Engine:
         prefill_progress: Callable[[int, int], None] | None = None,
         prefix_cache: bool = True,
         images: Sequence[Any] = (),
+        image_prompt: Any = None,
     ) -> Iterator[Chunk]:
         """``images`` (engine.images.Image) go with a text prompt, before its text; chat messages
-        carry theirs as {"type": "image", "image": Image} content parts (engine/vision.py)."""
+        carry theirs as {"type": "image", "image": Image} content parts (engine/vision.py).
+        ``image_prompt``: an ``engine.vision.ImagePrompt`` rendered already (the server's); it
+        replaces ``prompt``."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
-        image = self._image_prompt(prompt, images, system) if images or _has_images(prompt) else None
+        image = image_prompt
+        if image is None and (images or _has_images(prompt)):
+            image = self._image_prompt(prompt, images, system)
         prompt_ids = image.ids if image is not None else self.encode(prompt, chat_template=chat_template, system=system)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)

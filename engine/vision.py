@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from engine.errors import TandemError
 from engine.images import MAX_IMAGES, Image, ImageError
@@ -256,7 +257,6 @@ def _probe(engine: Any, vision: Vision) -> str | None:
     """Tandem's prefill with image embeddings and one step after it must give the logits of
     mlx-vlm's own language-model call on the same embeddings."""
     from PIL import Image as PILImage
-    import numpy as np
 
     from engine.target import _close, _tolerance
 
@@ -307,10 +307,11 @@ class ImagePrompt:
     """A chat with images, as the target sees it: token ids with placeholder runs, the pixel
     inputs, the prefix-cache key, and the merged embeddings for the rows that need them."""
 
-    def __init__(self, vision: Vision, ids: list[int], inputs: dict, images: Sequence[Image]):
+    def __init__(self, vision: Vision, text: str, ids: list[int], inputs: dict, images: Sequence[Image]):
         self.vision = vision
+        self.text = text  # the rendered chat
         self.ids = ids
-        self.inputs = inputs  # pixel_values and whatever else the processor gave the tower
+        self.inputs = inputs  # pixel_values and whatever else the processor gave the tower (numpy)
         self.images = list(images)
         positions = [i for i, t in enumerate(ids) if t == vision.image_token]
         if not positions:
@@ -323,7 +324,9 @@ class ImagePrompt:
         """mlx-vlm's ``get_input_embeddings`` on the whole prompt (runs the vision tower once)."""
         if self._features is None:
             ids = mx.array([self.ids])
-            self._features = self.vision.model.get_input_embeddings(ids, **self.inputs)
+            # made here, in the thread that runs the engine (the server renders prompts elsewhere)
+            inputs = {k: mx.array(v) for k, v in self.inputs.items()}
+            self._features = self.vision.model.get_input_embeddings(ids, **inputs)
         return self._features
 
     def embeddings(self, start: int, end: int) -> mx.array | None:
@@ -418,8 +421,8 @@ def image_prompt(engine: Any, messages: Sequence[dict], images: Sequence[Image],
     inputs = _process(processor, text, [im.pil for im in images])
     ids = [int(t) for t in _as_list(inputs.pop("input_ids"))]
     inputs.pop("attention_mask", None)
-    pixels = {k: v if isinstance(v, mx.array) else mx.array(v) for k, v in inputs.items() if v is not None}
-    return ImagePrompt(vision, ids, pixels, images)
+    pixels = {k: np.asarray(v) for k, v in inputs.items() if v is not None}
+    return ImagePrompt(vision, text, ids, pixels, images)
 
 
 def _process(processor: Any, text: str, images: list) -> dict:

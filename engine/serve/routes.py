@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
 from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
-                                      opens_thinking, render_chat)
+                                      opens_thinking, render_chat, tools_as_text)
+from engine.serve import images as serve_images
 from engine.serve.http import ClientGone, RequestHandler
 from engine.serve.worker import Job
 
@@ -117,8 +118,29 @@ class Handler(RequestHandler):
 
     def _count_tokens(self) -> None:
         spec = anthropic_api.parse_request(self._read_json(), count_only=True)
-        _, ids = self._render(self._engine(), spec)
+        engine = self._engine()
+        image = self._image_prompt(engine, spec)
+        _, ids = (image.text, image.ids) if image is not None else self._render(engine, spec)
         self._json(200, {"input_tokens": len(ids)})
+
+    def _image_prompt(self, engine: Any, spec: GenSpec) -> Any:
+        """A chat with images as the engine's ImagePrompt (None for one without); a 4xx for a
+        text-only model or an image that cannot be used."""
+        if spec.kind != "chat" or not serve_images.has_refs(spec.messages):
+            return None
+        from engine import vision
+
+        refusal = engine.image_refusal()
+        if refusal is not None:
+            raise RequestError(refusal, param="messages")
+        messages = serve_images.resolve(spec.messages, allow_urls=self.tandem.config.allow_image_urls)
+        if spec.tools:
+            messages = tools_as_text(messages, spec.tools)
+        with self.tandem.tokenizer_lock:
+            try:
+                return vision.image_prompt(engine, *vision.split_images(messages))
+            except vision.ImageError as e:
+                raise RequestError(str(e), param="messages", status=e.status) from None
 
     def _render(self, engine: Any, spec: GenSpec) -> tuple[str, list[int]]:
         with self.tandem.tokenizer_lock:
@@ -135,7 +157,8 @@ class Handler(RequestHandler):
         t0 = time.perf_counter()
         srv, cfg = self.tandem, self.tandem.config
         engine = self._engine()
-        prompt_text, ids = self._render(engine, spec)
+        image = self._image_prompt(engine, spec)
+        prompt_text, ids = (image.text, image.ids) if image is not None else self._render(engine, spec)
         if writer is None:
             writer = openai_api.CompletionWriter(spec, prompt_text)
         limit = srv.max_context
@@ -149,6 +172,8 @@ class Handler(RequestHandler):
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
             seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop)
+        if image is not None:
+            kwargs["image_prompt"] = image
         prefix = {"openai": "chatcmpl-" if spec.kind == "chat" else "cmpl-", "anthropic": "msg_"}
         reply = Reply(id=new_id(prefix["anthropic" if dialect is anthropic_api else "openai"]),
                       model=spec.model or srv.model_name, created=int(time.time()), prompt_tokens=len(ids),
