@@ -14,6 +14,7 @@ import binascii
 import hashlib
 import io
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ def decode_image(data: bytes, *, label: str = "image", max_bytes: int = MAX_IMAG
                          status=413)
     PILImage = _pil()
     try:
-        img = PILImage.open(io.BytesIO(data))  # reads the header only
+        with warnings.catch_warnings():  # Pillow warns of large images; the pixel cap below decides
+            warnings.simplefilter("ignore", PILImage.DecompressionBombWarning)
+            img = PILImage.open(io.BytesIO(data))  # reads the header only
     except PILImage.DecompressionBombError as e:  # Pillow's own cap, should ours be higher
         raise ImageError(f"{label}: too many pixels ({e})", status=413) from None
     except Exception:

@@ -119,9 +119,8 @@ class TextModel(nn.Module):
         head = getattr(lm, "lm_head", None)
         if head is not None:
             self.lm_head = head
-        config = getattr(lm, "config", None)
-        self.args = SimpleNamespace(vocab_size=getattr(config, "vocab_size", None), tie_word_embeddings=head is None,
-                                    model_type=getattr(config, "model_type", ""))
+        # mlx-vlm's text config (hidden_size, vocab_size, ...), as mlx-lm's ModelArgs would be
+        self.args = getattr(lm, "config", None) or SimpleNamespace(tie_word_embeddings=head is None)
         object.__setattr__(self, "_lm", lm)  # not a child: its modules are reachable above already
         if hasattr(lm, "make_cache"):
             object.__setattr__(self, "make_cache", self._make_cache)
