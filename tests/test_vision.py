@@ -222,3 +222,94 @@ def test_a_model_whose_image_prefill_differs_from_mlx_vlms_is_refused_images(vlm
 def _shifted(out):
     out.logits = out.logits + 1.0 * (mx.arange(out.logits.shape[-1]) % 3 == 0)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# The server
+# ----------------------------------------------------------------------------------------
+def post(url: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                   "anthropic-version": "2023-06-01"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def openai_chat(*parts: dict) -> dict:
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        *parts, {"type": "text", "text": QUESTION}]}]}
+
+
+def anthropic_chat(block: dict) -> dict:
+    return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": [
+        block, {"type": "text", "text": QUESTION}]}]}
+
+
+def test_the_server_takes_images_in_both_dialects_and_refuses_bad_ones_in_4xx(vlm):
+    import base64
+
+    from engine.serve.server import make_server
+
+    folder = str(vlm.loaded.path)
+    want = vlm.generate(ask(QUESTION, decode_image(png_bytes(1))), mode="baseline", max_new_tokens=8,
+                        prefix_cache=False).text
+    srv = make_server(lambda: load(folder), port=0, mode="lookup").start().wait_ready(60)
+    try:
+        chat, messages = srv.url + "/v1/chat/completions", srv.url + "/v1/messages"
+        status, body = post(chat, openai_chat({"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}))
+        assert status == 200 and body["choices"][0]["message"]["content"] == want
+        assert body["usage"]["prompt_tokens"] > 4
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(png_bytes(1)).decode()}}
+        status, body = post(messages, anthropic_chat(block))
+        assert status == 200 and body["content"][0]["text"] == want
+        assert body["usage"]["cache_read_input_tokens"] > 0, "the same image and question were restored"
+        refusals = [
+            (openai_chat({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}), 400,
+             "--allow-image-urls"),
+            (openai_chat({"type": "image_url", "image_url": {"url": data_url(b"garbage")}}), 400,
+             "not an image"),
+            (openai_chat({"type": "image_url", "image_url": {"url": data_url(png_header(10_000, 10_000))}}),
+             413, "megapixels"),
+            (openai_chat({"type": "image_url", "image_url": {"url": data_url(png_bytes(0, fmt="TIFF"),
+                                                                                   "image/tiff")}}), 415, "TIFF"),
+        ]
+        for body_in, code, words in refusals:
+            status, body = post(chat, body_in)
+            assert status == code and words in body["error"]["message"], (code, body)
+            assert "messages[0].content[0]" in body["error"]["message"]
+        status, body = post(messages, anthropic_chat({**block, "source": {**block["source"], "media_type": "image/tiff"}}))
+        assert status == 415 and "media_type" in body["error"]["message"]
+        # Still serving, with and without images.
+        status, body = post(chat, {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "w5"}]})
+        assert status == 200
+        status, body = post(chat, openai_chat({"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}))
+        assert status == 200 and body["choices"][0]["message"]["content"] == want
+    finally:
+        srv.stop()
+
+
+def test_a_text_only_server_refuses_images_and_keeps_serving():
+    from engine.serve.server import make_server
+
+    srv = make_server(lambda: make_tiny_engine("llama", seed=0), port=0).start().wait_ready(60)
+    try:
+        chat = srv.url + "/v1/chat/completions"
+        status, body = post(chat, openai_chat({"type": "image_url", "image_url": {"url": data_url(png_bytes(1))}}))
+        assert status == 400 and "takes no images" in body["error"]["message"]
+        status, _ = post(chat, {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "w5"}]})
+        assert status == 200
+    finally:
+        srv.stop()
