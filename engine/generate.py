@@ -17,7 +17,7 @@ from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, fingerprint
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
@@ -133,7 +133,7 @@ class Engine:
         if loaded is not None and getattr(loaded, "vision", None) is not None:
             from engine import vision
 
-            self.vision = vision.attach(self, loaded.vision)
+            self.vision = vision.attach(self, loaded.vision, fingerprint)
 
     @property
     def takes_images(self) -> bool:

@@ -235,17 +235,21 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
     if dense is None:
         dense = platform.prefers_dense_float32()
     vision = None
-    try:
-        if vision_mod.wants_vlm(raw_config):
-            model, tokenizer, vision, config = vision_mod.load_vlm(folder, dense=dense, dtype=dtype)
-            return _loaded(model, tokenizer, resolved, config, dense, vision)
-        # lazy: a float16 file is cast straight to float32, never held twice in memory
-        model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
+
+    def set_precision(model) -> None:
         if dense:  # straight to the asked dtype: a float32 copy first would double the peak memory
             make_dense(model, dtype or "float32")
         elif dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+
+    try:
+        if vision_mod.wants_vlm(raw_config):  # a vision tower, or an architecture only mlx-vlm has
+            model, tokenizer, vision, config = vision_mod.load_vlm(folder, set_precision)
+            return _loaded(model, tokenizer, resolved, config, dense, vision)
+        # lazy: a float16 file is cast straight to float32, never held twice in memory
+        model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
+        set_precision(model)
     except TandemError:
         raise
     except ValueError as e:

@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -193,20 +193,15 @@ def _image_token(model: Any, processor: Any, config: dict) -> int | None:
     return None
 
 
-def load_vlm(folder: Path, *, dense: bool, dtype: str | None) -> tuple[TextModel, Any, Vision, dict]:
+def load_vlm(folder: Path, set_precision: Callable[[nn.Module], None]) -> tuple[TextModel, Any, Vision, dict]:
     """Load an mlx-vlm folder: (language model as mlx-lm model, tokenizer wrapper, Vision, config).
-    Raises whatever mlx-vlm raises (engine.loading turns it into a one-line TandemError)."""
+    ``set_precision``: engine.loading's dtype policy, applied to the lazily loaded weights. Raises
+    whatever mlx-vlm raises (engine.loading turns it into a one-line TandemError)."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from mlx_vlm.utils import load
 
-    from engine.loading import make_dense
-
     vlm, processor = load(str(folder), lazy=True)
-    if dense:
-        make_dense(vlm, dtype or "float32")
-    elif dtype is not None:
-        vlm.set_dtype(getattr(mx, dtype))
-    mx.eval(vlm.parameters())
+    set_precision(vlm)
     vlm.eval()
     lm = getattr(vlm, "language_model", None)
     if lm is None or not hasattr(getattr(lm, "model", None), "layers"):
@@ -233,11 +228,10 @@ def _config_dict(vlm: Any, folder: Path) -> dict:
         return {"model_type": getattr(getattr(vlm, "config", None), "model_type", "")}
 
 
-def attach(engine: Any, vision: Vision) -> Vision:
+def attach(engine: Any, vision: Vision, fingerprint: Callable[[nn.Module], str]) -> Vision:
     """Check on ``engine``'s target that image prompts run as mlx-vlm runs them; refuse images
-    (with the reason) when they do not."""
-    from engine.prefix_cache import fingerprint
-
+    (with the reason) when they do not. ``fingerprint``: a module's weights -> a short hash
+    (engine.prefix_cache's)."""
     if vision.refused is None:
         towers = [m for name, m in vision.model.children().items() if name != "language_model" and isinstance(m, nn.Module)]
         vision.fingerprint = fingerprint(nn.Sequential(*towers)) if towers else ""

@@ -211,7 +211,7 @@ def test_a_model_whose_image_prefill_differs_from_mlx_vlms_is_refused_images(vlm
         type(lm).__call__ = lambda self, *a, **k: _shifted(original(self, *a, **k)) if k.get("inputs_embeds") is not None \
             else original(self, *a, **k)
         probe = vision.Vision(vlm.vision.model, vlm.vision.processor, "llava", IMAGE_TOKEN)
-        vision.attach(vlm, probe)
+        vision.attach(vlm, probe, lambda module: "test")
     finally:
         type(lm).__call__ = original
     assert probe.refused and "differs from mlx-vlm's" in probe.refused
