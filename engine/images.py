@@ -94,16 +94,21 @@ def decode_image(data: bytes, *, label: str = "image", max_bytes: int = MAX_IMAG
     return Image(rgb, hashlib.sha256(data).hexdigest(), fmt, len(data))
 
 
-def read_image_file(path: str | Path, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
-    """``decode_image`` on a file's bytes (at most ``max_bytes`` + 1 are read); a missing file is
-    an ``ImageError`` too."""
+def read_image_bytes(path: str | Path, *, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """A file's bytes, at most ``max_bytes`` + 1 of them (``decode_image`` refuses more); a file
+    that cannot be read is an ``ImageError``."""
     p = Path(path).expanduser()
     try:
         with p.open("rb") as f:
-            data = f.read(max_bytes + 1)
+            return f.read(max_bytes + 1)
     except OSError as e:
         raise ImageError(f"{p}: cannot read ({e.strerror or type(e).__name__})") from None
-    return decode_image(data, label=str(p), max_bytes=max_bytes, max_pixels=max_pixels)
+
+
+def read_image_file(path: str | Path, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS) -> Image:
+    """``decode_image`` on a file's bytes."""
+    data = read_image_bytes(path, max_bytes=max_bytes)
+    return decode_image(data, label=str(Path(path).expanduser()), max_bytes=max_bytes, max_pixels=max_pixels)
 
 
 def parse_data_url(url: str, *, label: str = "image") -> bytes:
