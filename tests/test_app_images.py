@@ -11,37 +11,16 @@ from PySide6.QtCore import QMimeData, QUrl
 from PySide6.QtGui import QImage
 
 from app.conversations import ConversationStore
-from app.main import MainWindow
 from app.settings import history_path
 from engine.api import load
 from engine.images import decode_image
-from tests.test_app_chat import WAIT_MS, ChatEngine, answer, greedy
-from tests.test_app_hub import build_cache
+from tests.test_app_chat import answer, greedy, make_win  # noqa: F401  (make_win: the fixture)
 from tests.tiny_vision import png_bytes, write_tiny_llava
 
 
 @pytest.fixture(scope="module")
 def llava_folder(tmp_path_factory) -> Path:
     return write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-
-
-@pytest.fixture
-def make_win(qtbot, tmp_path, monkeypatch, llava_folder):
-    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path / "tandem"))
-    cache = build_cache(tmp_path)
-    made: list[MainWindow] = []
-
-    def make(vision: bool = True) -> MainWindow:
-        factory = (lambda spec, drafter: load(str(llava_folder))) if vision else (lambda spec, drafter: ChatEngine())
-        w = MainWindow(engine_factory=factory, cache_dir=str(cache))
-        qtbot.addWidget(w)
-        made.append(w)
-        qtbot.waitUntil(lambda: w.chat.model_ready, timeout=WAIT_MS)
-        return w
-
-    yield make
-    for w in made:
-        w.shutdown()
 
 
 def pasted(data: bytes) -> QMimeData:
@@ -51,7 +30,7 @@ def pasted(data: bytes) -> QMimeData:
 
 
 def test_attach_send_and_reopen_with_the_thumbnail(make_win, qtbot, tmp_path, llava_folder):
-    win = make_win()
+    win = make_win(lambda: load(str(llava_folder)))
     chat = win.chat
     greedy(chat, 8)
     assert chat.takes_images
@@ -85,7 +64,7 @@ def test_attach_send_and_reopen_with_the_thumbnail(make_win, qtbot, tmp_path, ll
         store.close()
     win.shutdown()
 
-    again = make_win()  # restart: the chat reopens with its image
+    again = make_win(lambda: load(str(llava_folder)))  # restart: the chat reopens with its image
     chat2 = again.chat
     assert chat2.conv.id == cid and chat2.bubbles[0].images == [png_bytes(1)]
     assert chat2.bubbles[0].thumbnails is not None
@@ -94,7 +73,7 @@ def test_attach_send_and_reopen_with_the_thumbnail(make_win, qtbot, tmp_path, ll
 
 
 def test_a_model_without_vision_says_so_before_sending(make_win, qtbot, tmp_path):
-    win = make_win(vision=False)
+    win = make_win()  # the tiny text-only chat engine
     chat = win.chat
     assert not chat.takes_images
     assert chat.attach_image(png_bytes(1))
@@ -106,7 +85,7 @@ def test_a_model_without_vision_says_so_before_sending(make_win, qtbot, tmp_path
 
 
 def test_a_dropped_file_that_is_not_an_image_is_refused(make_win, tmp_path):
-    win = make_win()
+    win = make_win()  # attaching needs no vision model (sending does)
     chat = win.chat
     bad = tmp_path / "notes.png"
     bad.write_bytes(b"not really a png")
