@@ -137,8 +137,10 @@ def test_a_second_question_on_the_same_image_prefills_only_the_new_tokens(vlm, i
                             prefix_cache=False)
         assert second.token_ids == cold.token_ids
         # Another image with the same words: restored only up to the image.
-        third = vlm.generate(ask(QUESTION, decode_image(png_bytes(2))), mode="lookup", max_new_tokens=8)
+        other = ask(QUESTION, decode_image(png_bytes(2)))
+        third = vlm.generate(other, mode="lookup", max_new_tokens=8)
         assert 0 < third.cached_tokens <= third.prompt_tokens - 4 - len(QUESTION.split())
+        assert third.token_ids == vlm.generate(other, mode="lookup", max_new_tokens=8, prefix_cache=False).token_ids
     finally:
         tower.get_input_embeddings = original
 
@@ -313,3 +315,17 @@ def test_a_text_only_server_refuses_images_and_keeps_serving():
         assert status == 200
     finally:
         srv.stop()
+
+
+def test_mlx_vlm_caches_become_mlx_lms_of_the_same_kind():
+    """engine/caches.py proves rollback and prefix snapshots on mlx-lm's cache classes."""
+    from mlx_lm.models import cache as lm
+    from mlx_vlm.models import cache as vlm_cache
+
+    from engine.vision import to_mlx_lm_cache
+
+    made = [to_mlx_lm_cache(c) for c in (vlm_cache.KVCache(), vlm_cache.RotatingKVCache(max_size=8, keep=0),
+                                         vlm_cache.ArraysCache(size=2), vlm_cache.ChunkedKVCache(16),
+                                         vlm_cache.CacheList(vlm_cache.KVCache(), vlm_cache.ArraysCache(size=1)))]
+    assert [type(c) for c in made] == [lm.KVCache, lm.RotatingKVCache, lm.ArraysCache, lm.ChunkedKVCache, lm.CacheList]
+    assert made[1].max_size == 8 and made[3].chunk_size == 16 and len(made[2].cache) == 2

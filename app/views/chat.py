@@ -2,10 +2,11 @@
 per-chat system prompt, sampling and mode; regenerate, edit-and-continue, stop; a model switch.
 
 The whole history goes to the worker as chat messages on every turn (the engine's prefix cache
-reuses what it has seen). Images attach to the message being written (the Image… button, paste,
-drag and drop; app/views/chat_images.py), show as thumbnails in the transcript and are stored with
-the conversation; a model that takes no images says so before anything is sent. A turn is written to the history file only when its answer ends, in
+reuses what it has seen). A turn is written to the history file only when its answer ends, in
 one transaction that also drops any turns an edit or a regenerate replaces (app/conversations.py).
+Images attach to the message being written (the Image… button, paste, drag and drop;
+app/views/chat_images.py), show as thumbnails in the transcript and are stored with the
+conversation; a model that takes no images says so before anything is sent.
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ class ChatView(QWidget):
         try:
             if user.images or self.conv.has_images(position):
                 self._check_images()
-            asked = chat_message(user)
+            prompt = self.conv.chat_messages(position) + [chat_message(user)]
         except ImageError as err:
             self._say(str(err), "bad")
             return None
@@ -291,7 +292,6 @@ class ChatView(QWidget):
         bubble.set_footer("waiting for the model…" if not self.model_ready else "thinking…", "muted")
         self._add_bubble(bubble)
         self._follow = True
-        prompt = self.conv.chat_messages(position) + [asked]
         rid = self.bridge.generate(prompt, self.params())
         self.turn = Turn(rid, self.conv, position, user, bubble)
         self._say("", "")
@@ -305,8 +305,9 @@ class ChatView(QWidget):
         return bool(self.bridge.model_info.get("takes_images"))
 
     def _check_images(self) -> None:
-        """Refuse images before anything is sent when the loaded model takes none."""
-        if not self.takes_images:
+        """Refuse images before anything is sent when the loaded model takes none (before the first
+        load, the worker decides)."""
+        if self.bridge.model_info and not self.takes_images:
             info = self.bridge.model_info
             why = info.get("images_note") or f"{info.get('name') or 'this model'} takes no images"
             raise ImageError(f"{why}: load a vision model (Models tab) to ask about images")
@@ -319,13 +320,11 @@ class ChatView(QWidget):
         except ImageError as err:
             self._say(str(err), "bad")
             return False
-        if self.bridge.model_info and not self.takes_images:
-            try:
-                self._check_images()
-            except ImageError as err:
-                self._say(str(err), "warn")
-        else:
+        try:
+            self._check_images()
             self._say("", "")
+        except ImageError as err:  # said now, before the user writes the question
+            self._say(str(err), "warn")
         return True
 
     def pick_images(self) -> None:
