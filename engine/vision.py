@@ -411,21 +411,21 @@ def image_prompt(engine: Any, messages: Sequence[dict], images: Sequence[Image],
         text = renderer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
     except Exception as e:
         raise TandemError(f"{engine.name}: its chat template failed on this conversation ({_first_line(e)})") from None
-    inputs = _process(processor, text, [im.pil for im in images])
+    inputs = _process(processor, text, [im.pil for im in images], vision.image_token)
     ids = [int(t) for t in _as_list(inputs.pop("input_ids"))]
     inputs.pop("attention_mask", None)
     pixels = {k: np.asarray(v) for k, v in inputs.items() if v is not None}
     return ImagePrompt(vision, text, ids, pixels, images)
 
 
-def _process(processor: Any, text: str, images: list) -> dict:
+def _process(processor: Any, text: str, images: list, image_token: int | None) -> dict:
     """The processor's token ids and pixel inputs for one prompt. mlx-vlm's ``prepare_inputs``
     first (its per-model handling); a processor that refuses its padding arguments (llava's under
     transformers 5) is called plainly."""
     from mlx_vlm.utils import prepare_inputs
 
     try:
-        return dict(prepare_inputs(processor, images=images, prompts=text))
+        return dict(prepare_inputs(processor, images=images, prompts=text, image_token_index=image_token))
     except ValueError as first:
         try:
             return dict(processor(text=text, images=images))
