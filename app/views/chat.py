@@ -276,6 +276,7 @@ class ChatView(QWidget):
     def _ask_model(self, position: int, text: str, images: Optional[list[bytes]] = None) -> Optional[int]:
         """Send the history up to ``position`` and this user message; None (and a line in the
         status bar) when the model cannot take the message's or the history's images."""
+        self.panel.flush()  # a system prompt being typed goes with this message
         user = Message("user", text, images=list(images or []))
         try:
             if user.images or self.conv.has_images(position):
@@ -284,7 +285,6 @@ class ChatView(QWidget):
         except ImageError as err:
             self._say(str(err), "bad")
             return None
-        self.panel.flush()
         self._drop_bubbles_from(position)
         self.welcome.hide()
         self._add_bubble(MessageWidget("user", text, user.images))
