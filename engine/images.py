@@ -46,10 +46,6 @@ class Image:
     format: str
     nbytes: int
 
-    @property
-    def size(self) -> tuple[int, int]:
-        return self.pil.size
-
 
 def _pil():
     try:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
@@ -169,14 +170,13 @@ class Vision:
     image_token: int | None  # the placeholder id the processor writes for image positions
     fingerprint: str = ""  # of the vision tower's weights (part of an image's prefix-cache key)
     refused: str | None = None  # why images are refused for this model (None: they are not)
-    notes: list[str] = field(default_factory=list)
 
     @property
     def takes_images(self) -> bool:
         return self.refused is None
 
 
-def _image_token(model: Any, processor: Any, config: dict) -> int | None:
+def _image_token(processor: Any, config: dict) -> int | None:
     for key in ("image_token_index", "image_token_id"):
         for where in (config, config.get("text_config") or {}):
             if isinstance(where.get(key), int):
@@ -213,15 +213,13 @@ def load_vlm(folder: Path, set_precision: Callable[[nn.Module], None]) -> tuple[
     eos = config.get("eos_token_id") or (config.get("text_config") or {}).get("eos_token_id")
     eos = [eos] if isinstance(eos, int) else (list(eos) if eos else None)
     tokenizer = TokenizerWrapper(hf_tok, eos_token_ids=eos)
-    vision = Vision(vlm, processor, str(config.get("model_type", "")), _image_token(vlm, processor, config))
+    vision = Vision(vlm, processor, str(config.get("model_type", "")), _image_token(processor, config))
     if vision.image_token is None or not takes_images(config):
         vision.refused = f"{vision.model_type} loads through mlx-vlm but has no image input Tandem can find"
     return TextModel(lm), tokenizer, vision, config
 
 
 def _config_dict(vlm: Any, folder: Path) -> dict:
-    import json
-
     try:
         return json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -249,6 +247,7 @@ def attach(engine: Any, vision: Vision, fingerprint: Callable[[nn.Module], str])
 def _probe(engine: Any, vision: Vision) -> str | None:
     """Tandem's prefill with image embeddings and one step after it must give the logits of
     mlx-vlm's own language-model call on the same embeddings."""
+    from mlx_vlm.models.cache import make_prompt_cache
     from PIL import Image as PILImage
 
     from engine.target import _close, _tolerance
@@ -269,8 +268,6 @@ def _probe(engine: Any, vision: Vision) -> str | None:
     finally:
         target.forwards = forwards
     lm = vision.model.language_model
-    from mlx_vlm.models.cache import make_prompt_cache
-
     ref_cache = make_prompt_cache(lm)
     ids = mx.array([prompt.ids])
     features = prompt.features()
