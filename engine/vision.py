@@ -410,7 +410,9 @@ def image_prompt(engine: Any, messages: Sequence[dict], images: Sequence[Image],
         raise TandemError(f"{engine.name}: its chat template failed on this conversation ({_first_line(e)})") from None
     inputs = _process(processor, text, [im.pil for im in images], vision.image_token)
     ids = [int(t) for t in _as_list(inputs.pop("input_ids"))]
-    inputs.pop("attention_mask", None)
+    mask = inputs.pop("attention_mask", None)
+    if mask is not None:  # mlx-vlm's generate hands it to get_input_embeddings as ``mask`` (Gemma 3 reads it)
+        inputs["mask"] = mask
     pixels = {k: np.asarray(v) for k, v in inputs.items() if v is not None}
     return ImagePrompt(vision, text, ids, pixels, images)
 

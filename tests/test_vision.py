@@ -329,3 +329,26 @@ def test_mlx_vlm_caches_become_mlx_lms_of_the_same_kind():
                                          vlm_cache.CacheList(vlm_cache.KVCache(), vlm_cache.ArraysCache(size=1)))]
     assert [type(c) for c in made] == [lm.KVCache, lm.RotatingKVCache, lm.ArraysCache, lm.ChunkedKVCache, lm.CacheList]
     assert made[1].max_size == 8 and made[3].chunk_size == 16 and len(made[2].cache) == 2
+
+
+def test_a_sliding_window_family_gemma3_is_lossless_with_images_and_restores_at_marks(tmp_path_factory, image):
+    """Gemma 3 through mlx-vlm: sliding-window caches (converted to mlx-lm's RotatingKVCache) in the
+    verify's transactions and the prefix cache."""
+    from tests.tiny_vision import write_tiny_gemma3
+
+    g3 = load(str(write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))))
+    assert g3.takes_images and "RotatingKVCache" in g3.target.describe_caches()
+    question = ask(QUESTION, image)
+    want = g3.generate(question, mode="baseline", max_new_tokens=N, prefix_cache=False)
+    assert want.prompt_tokens > 8, "the prompt outruns the sliding window"
+    for mode in ("lookup", "draft", "dspark"):
+        got = g3.generate(question, mode=set_up(g3, mode, tmp_path_factory.mktemp(mode)), max_new_tokens=N,
+                          prefix_cache=False)
+        assert got.token_ids == want.token_ids and got.drafted > 0, mode
+    kw = dict(mode="baseline", max_new_tokens=N, temperature=0.9, seed=5)
+    cold = g3.generate(question, prefix_cache=False, **kw)
+    first = g3.generate(question, **kw)
+    history = question + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "w9 w10"}]
+    warm = g3.generate(history, **kw)
+    assert first.token_ids == cold.token_ids
+    assert warm.cached_tokens > 0 and warm.token_ids == g3.generate(history, prefix_cache=False, **kw).token_ids

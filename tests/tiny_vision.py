@@ -74,6 +74,45 @@ def write_tiny_llava(folder: Path, seed: int = 0, scale: float = 4.0, layers: in
     return folder
 
 
+def write_tiny_gemma3(folder: Path, seed: int = 0, scale: float = 4.0, window: int = 8) -> Path:
+    """A random Gemma 3 vision model folder: a SigLIP tower, sliding-window layers (every other
+    one) in the language model, so its caches are RotatingKVCache and KVCache."""
+    from mlx_vlm.models import gemma3
+    from mlx_vlm.models.gemma3.processing_gemma3 import Gemma3Processor
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3ImageProcessor, PreTrainedTokenizerFast
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    words = {"</s>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, VOCAB - 3)}, "<boi>": VOCAB - 3,
+             "<eoi>": VOCAB - 2, "<img>": IMAGE_TOKEN}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>", extra_special_tokens={
+        "boi_token": "<boi>", "eoi_token": "<eoi>", "image_token": "<img>"})
+    text = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                num_attention_heads=4, head_dim=16, num_key_value_heads=2, vocab_size=VOCAB, query_pre_attn_scalar=16,
+                sliding_window=window, sliding_window_pattern=2, mm_tokens_per_image=4)
+    vision = dict(model_type="siglip_vision_model", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=2, patch_size=PATCH, image_size=IMAGE_SIZE)
+    config = dict(model_type="gemma3", text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN,
+                  vocab_size=VOCAB, hidden_size=64, eos_token_id=[0])
+    mx.random.seed(seed)
+    model_config = gemma3.ModelConfig.from_dict(config)
+    model_config.text_config = gemma3.TextConfig.from_dict(text)
+    model_config.vision_config = gemma3.VisionConfig.from_dict(vision)
+    weights = dict(tree_flatten(gemma3.Model(model_config).parameters()))
+    embed = "language_model.model.embed_tokens.weight"  # tied: the head is the embedding
+    weights[embed] = weights[embed] * scale
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config))
+    template = CHAT_TEMPLATE.replace("<image> ", "<boi> ")  # Gemma 3's processor expands its begin-of-image token
+    Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+                    tokenizer=fast, chat_template=template, image_seq_length=4).save_pretrained(str(folder))
+    return folder
+
+
 def png_bytes(seed: int = 0, size: tuple[int, int] = (40, 32), fmt: str = "PNG") -> bytes:
     """A random RGB image, encoded."""
     from PIL import Image
