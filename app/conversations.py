@@ -7,10 +7,15 @@ that same transaction: a crash loses at most the turn in flight, never an older 
 
 The schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes a file from
 version i to i + 1, so an old file is upgraded in place and a newer one is refused in one line.
+
+Images attached to a message are stored once by content hash (``images``: the file's bytes, at
+most ``engine.images.MAX_IMAGE_BYTES`` each) and referenced by position (``message_images``); an
+image no message references any more is dropped with the turn or conversation that held it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import time
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from engine.errors import TandemError
+from engine.images import MAX_IMAGE_BYTES
 
 FORMAT = "tandem-conversation"
 MIGRATIONS = (
@@ -42,6 +48,20 @@ MIGRATIONS = (
     );
     CREATE INDEX conversations_by_update ON conversations(updated DESC);
     """,
+    """
+    CREATE TABLE images (
+        sha256 TEXT PRIMARY KEY,
+        data BLOB NOT NULL,
+        created REAL NOT NULL
+    );
+    CREATE TABLE message_images (
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        position INTEGER NOT NULL,
+        slot INTEGER NOT NULL,
+        sha256 TEXT NOT NULL REFERENCES images(sha256),
+        PRIMARY KEY (conversation_id, position, slot)
+    );
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 TITLE_CHARS = 60
@@ -52,6 +72,7 @@ class Message:
     role: str  # "user" or "assistant" (the system prompt belongs to the conversation)
     content: str
     stats: Optional[dict] = None  # an answer's numbers: tokens, tok/s, TTFT, mode, ...
+    images: list[bytes] = field(default_factory=list)  # attached image files (a user message's), in order
 
 
 @dataclass
@@ -70,9 +91,28 @@ class Conversation:
 
     def chat_messages(self, upto: Optional[int] = None) -> list[dict]:
         """The history as ``[{"role", "content"}]`` for ``Engine.stream``: the system prompt
-        first (when set), then the first ``upto`` messages (all by default)."""
+        first (when set), then the first ``upto`` messages (all by default); a message with images
+        has content parts, its images first (``engine.images.Image``)."""
         out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt.strip() else []
-        return out + [{"role": m.role, "content": m.content} for m in self.messages[:upto]]
+        return out + [chat_message(m) for m in self.messages[:upto]]
+
+    def has_images(self, upto: Optional[int] = None) -> bool:
+        return any(m.images for m in self.messages[:upto])
+
+
+def chat_message(m: Message) -> dict:
+    """One message for ``Engine.stream`` (its images decoded; a stored image is trusted no more
+    than a new one: the same checks apply)."""
+    if not m.images:
+        return {"role": m.role, "content": m.content}
+    from engine.images import decode_image
+
+    parts = [{"type": "image", "image": decode_image(data, label=f"image {i + 1}")} for i, data in enumerate(m.images)]
+    return {"role": m.role, "content": parts + [{"type": "text", "text": m.content}]}
+
+
+def image_key(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def title_from(text: str) -> str:
@@ -146,6 +186,11 @@ class ConversationStore:
         conv.messages = [Message(role, content, json.loads(stats) if stats else None) for role, content, stats in
                          self.db.execute("SELECT role, content, stats FROM messages WHERE conversation_id = ? "
                                          "ORDER BY position", (conversation_id,))]
+        for position, data in self.db.execute(
+                "SELECT m.position, i.data FROM message_images m JOIN images i ON i.sha256 = m.sha256 "
+                "WHERE m.conversation_id = ? ORDER BY m.position, m.slot", (conversation_id,)):
+            if position < len(conv.messages):
+                conv.messages[position].images.append(bytes(data))
         return conv
 
     def rename(self, conversation_id: int, title: str) -> None:
@@ -166,6 +211,13 @@ class ConversationStore:
     def delete(self, conversation_id: int) -> None:
         with self.db:
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            self._drop_unused_images()
+
+    def image_count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM images").fetchone()[0]
+
+    def _drop_unused_images(self) -> None:
+        self.db.execute("DELETE FROM images WHERE sha256 NOT IN (SELECT sha256 FROM message_images)")
 
     # -- turns -----------------------------------------------------------------------------------
     def replace_from(self, conversation_id: int, position: int, messages: Sequence[Message]) -> None:
@@ -173,9 +225,16 @@ class ConversationStore:
         transaction (a new turn: position = the message count; a regenerate or an edit: the
         position of the user message it re-asks)."""
         now = time.time()
+        for m in messages:
+            for data in m.images:
+                if len(data) > MAX_IMAGE_BYTES:
+                    raise TandemError(f"an image of {len(data) / 2**20:.1f} MiB is over the "
+                                      f"{MAX_IMAGE_BYTES / 2**20:.0f} MiB the chat history keeps")
         with self.db:
             if self.db.execute("SELECT 1 FROM conversations WHERE id = ?", (conversation_id,)).fetchone() is None:
                 raise TandemError(f"conversation {conversation_id} no longer exists")
+            self.db.execute("DELETE FROM message_images WHERE conversation_id = ? AND position >= ?",
+                            (conversation_id, position))
             self.db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?",
                             (conversation_id, position))
             self.db.executemany(
@@ -183,6 +242,14 @@ class ConversationStore:
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 [(conversation_id, position + i, m.role, m.content, json.dumps(m.stats) if m.stats else None, now)
                  for i, m in enumerate(messages)])
+            for i, m in enumerate(messages):
+                for slot, data in enumerate(m.images):
+                    key = image_key(data)
+                    self.db.execute("INSERT OR IGNORE INTO images (sha256, data, created) VALUES (?, ?, ?)",
+                                    (key, data, now))
+                    self.db.execute("INSERT INTO message_images (conversation_id, position, slot, sha256) "
+                                    "VALUES (?, ?, ?, ?)", (conversation_id, position + i, slot, key))
+            self._drop_unused_images()
             self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
 
 
@@ -212,7 +279,8 @@ def to_json(conv: Conversation) -> str:
     doc: dict[str, Any] = {
         "format": FORMAT, "version": 1, "title": conv.display_title, "created": conv.created,
         "updated": conv.updated, "system_prompt": conv.system_prompt, "settings": conv.settings,
-        "messages": [{"role": m.role, "content": m.content, **({"stats": m.stats} if m.stats else {})}
+        "messages": [{"role": m.role, "content": m.content, **({"stats": m.stats} if m.stats else {}),
+                      **({"images": [image_key(d) for d in m.images]} if m.images else {})}
                      for m in conv.messages],
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"

@@ -62,6 +62,7 @@ class ModelEntry:
     architecture: str = ""  # GGUF architecture
     problem: str = ""  # why it cannot be loaded ("" when it can)
     needed_bytes: int = 0  # weights the engine will hold (see memory_needed)
+    images: bool = False  # its config has a vision tower: it takes images (loads through mlx-vlm)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.name
@@ -276,7 +277,8 @@ def scan_cache(cache_dir: Optional[str] = None, memory: Optional[int] = None,
             **base, display_name=repo.repo_id, size_bytes=int(repo.size_on_disk), kind=model_kind(config),
             complete=_is_complete(repo.repo_id, cache_dir) and not partial, pair=registry_pair(repo.repo_id, rows),
             format=("MLX" if quantized else "safetensors") if has_weights else "",
-            params=safetensors_params(snapshot, config) if has_weights else None), memory, dense))
+            params=safetensors_params(snapshot, config) if has_weights else None,
+            images=bool(config and isinstance(config.get("vision_config"), dict))), memory, dense))
     return entries, [str(w) for w in info.warnings]
 
 

@@ -149,6 +149,8 @@ class EngineWorker(QObject):
             "kv_bytes_per_token": kv.bytes_per_token,
             "layers": eng.target.num_layers, "vocab": eng.target.vocab_size,
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
+            "takes_images": bool(getattr(eng, "takes_images", False)),
+            "images_note": eng.image_refusal() if hasattr(eng, "image_refusal") else "",
             "can_rollback": eng.target.speculation_blocker() is None,
             "mode_support": _mode_support(eng),
             **_auto_choice(eng),

@@ -57,6 +57,7 @@ class BatchRow:
     mode: str = ""
     resume: Resume | None = None
     on_prefill: Callable[[int, list], None] | None = None
+    embeddings: Callable[[int, int], mx.array | None] | None = None  # an image prompt's (Target.prompt_embeddings)
     stats: DecodeStats = field(default_factory=DecodeStats)
     key: object = None  # the caller's handle (a request)
     # state
@@ -168,8 +169,9 @@ class BatchLoop:
         n = len(row.prompt_ids)
         if row.prefilled < n:
             end = min(n, (row.prefilled // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
-            logits, hidden = target.prefill(row.prompt_ids[row.prefilled:end], row.cache, tap=row.tap,
-                                            offset=row.prefilled)
+            with target.prompt_embeddings(row.embeddings):
+                logits, hidden = target.prefill(row.prompt_ids[row.prefilled:end], row.cache, tap=row.tap,
+                                                offset=row.prefilled)
             if hidden is not None:
                 row.hidden_parts.append(hidden)
             row.prefilled = end

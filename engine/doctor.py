@@ -5,6 +5,7 @@ Every row is (label, value). Nothing here raises: a probe that fails reports its
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform as _py_platform
 import sys
@@ -103,8 +104,8 @@ def _shapes_row(target) -> str:
 
 def model_rows(engine) -> list[tuple[str, str]]:
     """What a loaded model's caches are, and which modes it runs (or why not)."""
-    rows = [("Model", engine.name), ("Caches", engine.target.describe_caches()), ("Shapes", _shapes_row(engine.target)),
-            ("Verify matmuls", _skinny_row(engine.target))]
+    rows = [("Model", engine.name), ("Images", images_row(engine)), ("Caches", engine.target.describe_caches()),
+            ("Shapes", _shapes_row(engine.target)), ("Verify matmuls", _skinny_row(engine.target))]
     if platform.backend() == "cpu":
         rows.append(("CPU matmuls", _cpu_matmuls_row(engine)))
     if engine.kv_bits:
@@ -123,6 +124,16 @@ def _mtp_norms_row(engine) -> str | None:
     from engine.drafters import formats
 
     return formats.describe_mtp_norms(registry.model_folder(engine), registry.model_config(engine))
+
+
+def images_row(engine) -> str:
+    """Whether the model takes images (a vision model loaded through mlx-vlm), or why not."""
+    vision = getattr(engine, "vision", None)
+    if vision is None:
+        return "no (a text-only model)"
+    if vision.takes_images:
+        return f"yes ({vision.model_type} through mlx-vlm; the image enters the prefill, drafters work on the answer)"
+    return f"no: {vision.refused}"
 
 
 def _skinny_row(target) -> str:
@@ -185,6 +196,8 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("OS", lambda: f"{_py_platform.system()} {_py_platform.release()} {_py_platform.machine()}"),
     ("mlx", lambda: _version("mlx")),
     ("mlx-lm", lambda: _version("mlx-lm")),
+    ("mlx-vlm", lambda: _version("mlx-vlm") if importlib.util.find_spec("mlx_vlm") else
+        "not installed (vision models: pip install 'mlx-tandem[vision]')"),
     ("Backend", platform.backend),
     ("Device", platform.device_name),
     ("Memory", lambda: _gib(platform.memory_bytes())),

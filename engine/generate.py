@@ -17,7 +17,7 @@ from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import PrefixCache, fingerprint
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
@@ -123,6 +123,13 @@ class RequestPlan:
     note: str | None = None  # why --mode auto ran baseline, when it had to
     stop: tuple[str, ...] = ()
     store: PrefixCache | None = None  # the prefix cache to restore from and keep into
+    image: Any = None  # engine.vision.ImagePrompt: its embeddings enter the prefill; keyed by its images
+
+    @property
+    def cache_key(self) -> list[int]:
+        """The prompt as the prefix cache keys it: an image prompt's placeholders stand for their
+        images (ids derived from the image bytes), so another image never restores this one's rows."""
+        return self.image.key if self.image is not None else self.prompt_ids
 
 
 class RequestOutput:
@@ -144,7 +151,7 @@ class RequestOutput:
         self.stopped = False
         self.batch_width = 1  # the most rows it shared a forward with (itself included)
         store = plan.store
-        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.prompt_ids) if store is not None else None
+        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.cache_key) if store is not None else None
 
     def feed(self, new: list[int], event: RoundEvent) -> tuple[list[Chunk], bool]:
         """One round's tokens -> its chunk; True when a stop string ended the request."""
@@ -165,6 +172,8 @@ class RequestOutput:
     def remember(self, drafter: Drafter | None) -> None:
         """Keep what the target's caches hold for the prefix cache (after the last round)."""
         if self.prefix_plan is not None:
+            key = self.plan.cache_key
+            self.stats.ids[: len(key)] = key
             self.engine._remember(self.plan.store, self.prefix_plan, self.stats, drafter)
 
     def finish(self) -> Iterator[Chunk]:
@@ -210,6 +219,21 @@ class Engine:
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
+        self.vision: Any = None  # engine.vision.Vision: the model takes images (a model loaded through mlx-vlm)
+        if loaded is not None and getattr(loaded, "vision", None) is not None:
+            from engine import vision
+
+            self.vision = vision.attach(self, loaded.vision, fingerprint)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None and self.vision.takes_images
+
+    def image_refusal(self) -> str | None:
+        """Why this engine takes no images (one line), or None when it does."""
+        if self.vision is None:
+            return f"{self.name} takes no images (a text-only model)"
+        return None if self.vision.takes_images else f"{self.name} takes no images here: {self.vision.refused}"
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
@@ -313,14 +337,24 @@ class Engine:
         system: str | None = None,
         cap_policy: CapPolicy | None = None,
         prefix_cache: bool = True,
+        images: Sequence[Any] = (),
+        image_prompt: Any = None,
     ) -> "RequestPlan":
         """Resolve a request once into what decoding it takes: the prompt's ids, the mode, the
         drafter, the cap policy and the sampler. A bad setting raises ``TandemError`` here,
-        before any decoding."""
+        before any decoding.
+
+        ``images`` (engine.images.Image) go with a text prompt, before its text; chat messages
+        carry theirs as {"type": "image", "image": Image} content parts (engine/vision.py).
+        ``image_prompt``: an ``engine.vision.ImagePrompt`` rendered already (the server's); it
+        replaces ``prompt``."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
-        prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
+        image = image_prompt
+        if image is None and (images or _has_images(prompt)):
+            image = self._image_prompt(prompt, images, system)
+        prompt_ids = image.ids if image is not None else self.encode(prompt, chat_template=chat_template, system=system)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
@@ -338,7 +372,7 @@ class Engine:
             cap_label = getattr(cap_policy, "label", "custom")
         return RequestPlan(prompt_ids=prompt_ids, mode=mode, drafter=drafter, sampler=sampler,
                            cap_policy=cap_policy, cap_label=cap_label, note=note, max_new_tokens=max_new_tokens,
-                           stop=tuple(stop), store=self.prefix_cache if prefix_cache else None)
+                           stop=tuple(stop), store=self.prefix_cache if prefix_cache else None, image=image)
 
     def stream(
         self,
@@ -357,6 +391,8 @@ class Engine:
                        eos_ids=out.eos, cap_policy=plan.cap_policy, stats=out.stats, mode=plan.mode,
                        prefill_progress=prefill_progress, resume=prefix.resume if prefix else None,
                        on_prefill=prefix.on_prefill if prefix else None)
+        if plan.image is not None:
+            steps = _prefilled_with(self.target, plan.image.embeddings, steps)
         try:
             for new, event in steps:
                 chunks, ended = out.feed(new, event)
@@ -381,6 +417,22 @@ class Engine:
         return result
 
     # -- helpers ------------------------------------------------------------------------------
+    def _image_prompt(self, prompt: Prompt, images: Sequence[Any], system: str | None) -> Any:
+        from engine import vision
+
+        refusal = self.image_refusal()
+        if refusal is not None:
+            raise vision.ImageError(refusal)
+        if isinstance(prompt, str):
+            parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
+            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": parts}]
+        elif images:
+            raise TandemError("pass images inside the chat messages (image content parts), not beside them")
+        elif not prompt or not isinstance(prompt[0], dict):
+            raise TandemError("an image prompt must be text or chat messages")
+        messages, found = vision.split_images(prompt)
+        return vision.image_prompt(self, messages, found)
+
     @staticmethod
     def _remember(store: PrefixCache, plan: Any, stats: DecodeStats, drafter: Drafter | None) -> None:
         try:
@@ -414,6 +466,25 @@ class Engine:
             if len(self.tokenizer.decode(tokens[:n], skip_special_tokens=False)) > cut:
                 return tokens[:n]
         return tokens
+
+
+def _has_images(prompt: Prompt) -> bool:
+    from engine.vision import has_images
+
+    return not isinstance(prompt, str) and has_images(prompt)
+
+
+def _prefilled_with(target: Target, embeddings: Callable[[int, int], Any], steps: Iterator) -> Iterator:
+    """``steps`` with the target's prefill reading an image prompt's embeddings (the first step)."""
+    try:
+        with target.prompt_embeddings(embeddings):
+            first = next(steps, None)
+        if first is None:
+            return
+        yield first
+        yield from steps
+    finally:
+        steps.close()
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:

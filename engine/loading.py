@@ -38,6 +38,7 @@ class LoadedModel:
     config: dict
     dtype: str  # dominant floating dtype of the parameters, e.g. "float32"
     quantized: bool
+    vision: Any = None  # engine.vision.Vision when loaded through mlx-vlm (its tower and processor)
 
 
 @dataclass(frozen=True)
@@ -223,40 +224,58 @@ def load_model(spec: Optional[str] = None, *, dense: Optional[bool] = None, allo
         raise TandemError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
     resolved = _resolve(spec, allow_download)
     folder = resolved.path
-    _read_config(folder)
+    raw_config = _read_config(folder)
     _check_weights(folder)
 
     import mlx.core as mx
     from mlx_lm.utils import load
 
+    from engine import vision as vision_mod
+
     if dense is None:
         dense = platform.prefers_dense_float32()
-    try:
-        # lazy: a float16 file is cast straight to float32, never held twice in memory
-        model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
+    vision = None
+
+    def set_precision(model) -> None:
         if dense:  # straight to the asked dtype: a float32 copy first would double the peak memory
             make_dense(model, dtype or "float32")
         elif dtype is not None:
             model.set_dtype(getattr(mx, dtype))
         mx.eval(model.parameters())
+
+    try:
+        if vision_mod.wants_vlm(raw_config):  # a vision tower, or an architecture only mlx-vlm has
+            model, tokenizer, vision, config = vision_mod.load_vlm(folder, set_precision)
+            return _loaded(model, tokenizer, resolved, config, dense, vision)
+        # lazy: a float16 file is cast straight to float32, never held twice in memory
+        model, tokenizer, config = load(str(folder), return_config=True, lazy=True)
+        set_precision(model)
+    except TandemError:
+        raise
     except ValueError as e:
         msg = _first_line(e)
         if m := re.match(r"Model type (\S+) not supported", msg):
-            raise TandemError(f"unknown architecture '{m.group(1).rstrip('.')}' in {folder / 'config.json'}") from None
+            hint = ("; it has a vision tower: install the vision extra (pip install 'mlx-tandem[vision]')"
+                    if vision_mod.takes_images(raw_config) and not vision_mod.vlm_installed() else "")
+            raise TandemError(f"unknown architecture '{m.group(1).rstrip('.')}' in {folder / 'config.json'}{hint}") from None
         raise TandemError(f"{folder}: cannot load model ({msg})") from None
     except Exception as e:  # mlx / tokenizer errors
         raise TandemError(f"{folder}: cannot load model ({type(e).__name__}: {_first_line(e)})") from None
+    return _loaded(model, tokenizer, resolved, config, dense, vision)
 
+
+def _loaded(model, tokenizer, resolved: _Resolved, config: dict, dense: bool, vision=None) -> LoadedModel:
     if dense:  # the config now describes the dense model that was actually built
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     model.eval()
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        path=folder,
+        path=resolved.path,
         name=resolved.name,
         source=resolved.source,
         config=config,
         dtype=_dominant_dtype(model),
         quantized=_is_quantized(model),
+        vision=vision,
     )

@@ -22,7 +22,8 @@ whose rollback is proved on the model at load; a cache the engine cannot roll ba
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -105,6 +106,9 @@ class Target:
         self.kv_bits: int | None = None  # full-attention layers' K/V quantized to these bits
         self.shapes: ShapePolicy | None = None  # stable attention/verify shapes (engine/shapes.py), set last
         self.shapes_refused = ""  # why the backend's shape policy is off for this model ("" = it is not)
+        # An image prompt's input embeddings for prompt rows [start, end), or None for plain token
+        # rows (engine/vision.py); set for one prefill by ``prompt_embeddings``.
+        self._embeddings: Callable[[int, int], mx.array | None] | None = None
         fresh = make_prompt_cache(model)
         self._blocker = caches.blocker(fresh)
         self.recorder = None
@@ -337,14 +341,26 @@ class Target:
         refused and baseline runs), or None."""
         return self._blocker
 
+    @contextmanager
+    def prompt_embeddings(self, embeddings: Callable[[int, int], mx.array | None] | None) -> Iterator[None]:
+        """While open, ``prefill`` asks ``embeddings(start, end)`` for the input embeddings of
+        prompt rows [start, end) (an image prompt's) and feeds the token ids where it gives None."""
+        previous, self._embeddings = self._embeddings, embeddings
+        try:
+            yield
+        finally:
+            self._embeddings = previous
+
     def forward(
-        self, ids: mx.array, cache: list, *, last_only: bool = False, tap: bool = False
+        self, ids: mx.array, cache: list, *, last_only: bool = False, tap: bool = False,
+        embeds: mx.array | None = None,
     ) -> tuple[mx.array, mx.array | None]:
-        """One target forward over ``ids`` [1, L] appended to ``cache``.
+        """One target forward over ``ids`` [1, L] appended to ``cache``; ``embeds`` [1, L, H]: the
+        input embeddings of those rows instead of the tokens' (an image prompt's prefill).
 
         Returns lazy (logits [L, V] or [1, V] when last_only, hidden [L, n_taps * H] or None).
         """
-        logits, hidden = self._run(ids, cache, last_only, tap)
+        logits, hidden = self._run(ids, cache, last_only, tap, embeds)
         return logits[0], None if hidden is None else hidden[0]
 
     def forward_rows(self, ids: mx.array, row_caches: Sequence[list], *, tap: bool = False
@@ -384,18 +400,20 @@ class Target:
             reason = "its recurrent state is rewound by replay, which does not batch"
         return reason
 
-    def _run(self, ids: mx.array, cache: list, last_only: bool, tap: bool) -> tuple[mx.array, mx.array | None]:
+    def _run(self, ids: mx.array, cache: list, last_only: bool, tap: bool, embeds: mx.array | None = None
+             ) -> tuple[mx.array, mx.array | None]:
         self.forwards += 1
         self._sink.enabled = tap and bool(self.tap_layers)
         self._sink.outputs = {}
         self._switch.set(not self.compiled_off and ids.shape[1] <= compiled.MAX_WIDTH)
         self._skinny.on = not self.skinny_off and 2 <= ids.shape[1] <= cuda_skinny.MAX_ROWS
         try:
+            extra = {} if embeds is None else {"input_embeddings": embeds}
             if self._split:
-                h = self.trunk(ids, cache)
+                h = self.trunk(ids, cache, **extra)
                 logits = self.head(h[:, -1:] if last_only else h)
             else:
-                logits = self.model(ids, cache=cache)
+                logits = self.model(ids, cache=cache, **extra)
                 if last_only:
                     logits = logits[:, -1:]
             hidden = None
@@ -423,7 +441,8 @@ class Target:
         bounds = [0] + list(range(first, len(ids), chunk)) + [len(ids)]
         for start, end in zip(bounds, bounds[1:]):
             part = mx.array([ids[start:end]])
-            logits, hidden = self.forward(part, cache, last_only=True, tap=tap)
+            embeds = self._embeddings(offset + start, offset + end) if self._embeddings is not None else None
+            logits, hidden = self.forward(part, cache, last_only=True, tap=tap, embeds=embeds)
             if hidden is not None:
                 hiddens.append(hidden)
             mx.eval(logits, *(c.state for c in cache if hasattr(c, "state")), *(hiddens[-1:] if hiddens else []))

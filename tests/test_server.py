@@ -414,7 +414,7 @@ def test_api_key_guards_every_route_but_health(scripted):
     ("/v1/completions", {"prompt": ""}, "'prompt' must be a non-empty string", "prompt"),
     ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "'max_tokens' is required", None),
     ("/v1/messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-     "not supported", None),
+     "an image block needs a 'source'", None),
 ])
 def test_malformed_requests_get_400_in_the_dialect(tiny, path, body, fragment, param):
     status, err = raw(tiny, "POST", path, body)

@@ -4,6 +4,9 @@ per-chat system prompt, sampling and mode; regenerate, edit-and-continue, stop; 
 The whole history goes to the worker as chat messages on every turn (the engine's prefix cache
 reuses what it has seen). A turn is written to the history file only when its answer ends, in
 one transaction that also drops any turns an edit or a regenerate replaces (app/conversations.py).
+Images attach to the message being written (the Image… button, paste, drag and drop;
+app/views/chat_images.py), show as thumbnails in the transcript and are stored with the
+conversation; a model that takes no images says so before anything is sent.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from PySide6.QtWidgets import (QFileDialog, QFrame, QHBoxLayout, QMenu, QMessage
 
 from app import conversations as history
 from app.bridge import Bridge
-from app.conversations import Conversation, ConversationStore, Message
+from app.conversations import Conversation, ConversationStore, Message, chat_message
 from app.settings import AppSettings, history_path, sampling_settings
 from app.views.chat_header import ChatHeader
+from app.views.chat_images import FILE_FILTER, AttachmentStrip, attach_from, load_image
 from app.views.chat_widgets import ConversationList, MessageWidget, ParametersPanel, PromptEdit
 from app.views.common import hbox, plain_label, set_tone, turn_stats
 from app.views.markdown_view import STREAM_RENDER_MS
 from engine.errors import TandemError
+from engine.images import ImageError
 
 WELCOME = ("Ask anything. Replies stream from the local model. Pick a decoding mode above: at temperature 0 "
            "every mode gives the same text, only faster.")
@@ -64,6 +69,7 @@ class ChatView(QWidget):
         # Asked before deleting / for an export path; tests replace them (dialogs would block).
         self.confirm: Callable[[str, str], bool] = self._ask
         self.ask_save_path: Callable[[str, str, str], Optional[str]] = self._ask_path
+        self.ask_image_paths: Callable[[], list[str]] = self._ask_images
 
         outer = QHBoxLayout(self)
         outer.setContentsMargins(0, 0, 0, 0)
@@ -133,7 +139,7 @@ class ChatView(QWidget):
         root.addWidget(self.scroll, 1)
 
         # input
-        self.input = PromptEdit(self.send)
+        self.input = PromptEdit(self.send, on_images=self._attach_mime)
         self.input.setObjectName("prompt")
         self.input.setPlaceholderText("Message the model  (Enter to send, Shift+Enter for a new line)")
         self.input.setFixedHeight(72)
@@ -141,8 +147,16 @@ class ChatView(QWidget):
         self.send_button.setObjectName("primary")
         self.send_button.setFixedHeight(40)
         self.send_button.clicked.connect(self._send_or_stop)
+        self.attach_button = QPushButton("Image…")
+        self.attach_button.setObjectName("secondary")
+        self.attach_button.setFixedHeight(40)
+        self.attach_button.setToolTip("Attach images to this message (or paste them, or drop them here)")
+        self.attach_button.clicked.connect(self.pick_images)
+        self.attachments = AttachmentStrip()
+        self.setAcceptDrops(True)
         self.status = plain_label("", "hint")
-        root.addLayout(hbox(self.input, self.send_button, spacing=10))
+        root.addWidget(self.attachments)
+        root.addLayout(hbox(self.input, self.attach_button, self.send_button, spacing=10))
         root.addWidget(self.status)
 
         self._render_timer = QTimer(self)
@@ -234,17 +248,22 @@ class ChatView(QWidget):
 
     def send(self, text: Optional[str] = None) -> Optional[int]:
         text = (text if text is not None else self.input.toPlainText()).strip()
-        if not text or self.generating:
+        images = list(self.attachments.images)
+        if not (text or images) or self.generating:
             return None
-        self.input.clear()
-        return self._ask_model(len(self.conv.messages), text)
+        rid = self._ask_model(len(self.conv.messages), text, images)
+        if rid is not None:
+            self.input.clear()
+            self.attachments.take()
+        return rid
 
     def regenerate(self) -> Optional[int]:
         """Answer the last user message again (its old answer is replaced when the new one ends)."""
         users = [i for i, m in enumerate(self.conv.messages) if m.role == "user"]
         if self.generating or not users:
             return None
-        return self._ask_model(users[-1], self.conv.messages[users[-1]].content)
+        asked = self.conv.messages[users[-1]]
+        return self._ask_model(users[-1], asked.content, asked.images)
 
     def edit_message(self, index: int, text: str) -> Optional[int]:
         """Replace user message ``index`` and answer from there (later turns go when the answer ends)."""
@@ -252,25 +271,80 @@ class ChatView(QWidget):
         if self.generating or not text or not (0 <= index < len(self.conv.messages)) \
                 or self.conv.messages[index].role != "user":
             return None
-        return self._ask_model(index, text)
+        return self._ask_model(index, text, self.conv.messages[index].images)
 
-    def _ask_model(self, position: int, text: str) -> int:
-        self.panel.flush()
-        user = Message("user", text)
+    def _ask_model(self, position: int, text: str, images: Optional[list[bytes]] = None) -> Optional[int]:
+        """Send the history up to ``position`` and this user message; None (and a line in the
+        status bar) when the model cannot take the message's or the history's images."""
+        self.panel.flush()  # a system prompt being typed goes with this message
+        user = Message("user", text, images=list(images or []))
+        try:
+            if user.images or self.conv.has_images(position):
+                self._check_images()
+            prompt = self.conv.chat_messages(position) + [chat_message(user)]
+        except ImageError as err:
+            self._say(str(err), "bad")
+            return None
         self._drop_bubbles_from(position)
         self.welcome.hide()
-        self._add_bubble(MessageWidget("user", text))
+        self._add_bubble(MessageWidget("user", text, user.images))
         bubble = MessageWidget("assistant")
         bubble.set_footer("waiting for the model…" if not self.model_ready else "thinking…", "muted")
         self._add_bubble(bubble)
         self._follow = True
-        prompt = self.conv.chat_messages(position) + [{"role": "user", "content": text}]
         rid = self.bridge.generate(prompt, self.params())
         self.turn = Turn(rid, self.conv, position, user, bubble)
         self._say("", "")
         self._update_button()
         QTimer.singleShot(0, self._scroll_to_end)
         return rid
+
+    # -- images --------------------------------------------------------------------------------------
+    @property
+    def takes_images(self) -> bool:
+        return bool(self.bridge.model_info.get("takes_images"))
+
+    def _check_images(self) -> None:
+        """Refuse images before anything is sent when the loaded model takes none (before the first
+        load, the worker decides)."""
+        if self.bridge.model_info and not self.takes_images:
+            info = self.bridge.model_info
+            why = info.get("images_note") or f"{info.get('name') or 'this model'} takes no images"
+            raise ImageError(f"{why}: load a vision model (Models tab) to ask about images")
+
+    def attach_image(self, source: bytes | Path, label: str = "image") -> bool:
+        """Attach an image (its bytes, or a file) to the message being written; False (and the
+        reason in the status bar) when it cannot be used."""
+        try:
+            self.attachments.add(load_image(source, label))
+        except ImageError as err:
+            self._say(str(err), "bad")
+            return False
+        try:
+            self._check_images()
+            self._say("", "")
+        except ImageError as err:  # said now, before the user writes the question
+            self._say(str(err), "warn")
+        return True
+
+    def pick_images(self) -> None:
+        for path in self.ask_image_paths():
+            self.attach_image(Path(path), path)
+
+    def _ask_images(self) -> list[str]:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach images", str(Path.home()), FILE_FILTER)
+        return paths
+
+    def _attach_mime(self, mime) -> bool:
+        return attach_from(mime, lambda source, label: self.attach_image(source, label))
+
+    def dragEnterEvent(self, event) -> None:
+        if event.mimeData().hasImage() or event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        if self._attach_mime(event.mimeData()):
+            event.acceptProposedAction()
 
     def stop(self) -> None:
         if self.turn is not None:
@@ -376,13 +450,13 @@ class ChatView(QWidget):
         self.conv = conv
         self._drop_bubbles_from(0)
         for m in conv.messages:
-            bubble = MessageWidget(m.role, m.content)
+            bubble = MessageWidget(m.role, m.content, m.images)
             if m.role == "assistant" and m.stats:
                 bubble.set_footer(turn_stats(m.stats), "muted")
             self._add_bubble(bubble)
         if self.turn is not None and self.turn.conv is conv:  # back to the chat whose answer is streaming
             self._drop_bubbles_from(self.turn.position)
-            self._add_bubble(MessageWidget("user", self.turn.user.content))
+            self._add_bubble(MessageWidget("user", self.turn.user.content, self.turn.user.images))
             self.turn.bubble = MessageWidget("assistant", self.turn.text)
             self._add_bubble(self.turn.bubble)
         self.welcome.setVisible(not self.bubbles)
@@ -540,10 +614,11 @@ class ChatView(QWidget):
             return
         try:
             if conv.id is None:
-                made = self.store.create(history.title_from(turn.user.content), conv.system_prompt, conv.settings)
+                made = self.store.create(history.title_from(turn.user.content or "Image"), conv.system_prompt,
+                                         conv.settings)
                 conv.id, conv.title, conv.created = made.id, made.title, made.created
             elif not conv.title and turn.position == 0:
-                conv.title = history.title_from(turn.user.content)
+                conv.title = history.title_from(turn.user.content or "Image")
                 self.store.rename(conv.id, conv.title)
             self.store.replace_from(conv.id, turn.position, conv.messages[turn.position:])
         except (sqlite3.Error, TandemError) as err:
@@ -565,6 +640,8 @@ class ChatView(QWidget):
             self._show(self.conv)
             if not self.input.toPlainText().strip():
                 self.input.setPlainText(turn.user.content)
+            if not self.attachments.images:
+                self.attachments.set_images(turn.user.images)
         self._say(message, tone)
         self._done()
 

@@ -3,9 +3,9 @@ parameters panel. They hold no conversation state; ``ChatView`` (app/views/chat.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
-from PySide6.QtCore import QTimer, Qt, Signal
+from PySide6.QtCore import QMimeData, QTimer, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeyEvent
 from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QSizePolicy, QSpinBox, QToolButton,
@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QDoubleSpinBox, QFormLayout, QFrame, QLabel, QLin
 from app import markdown_render
 from app.conversations import Conversation
 from app.settings import SAMPLING_DEFAULTS, sampling_settings
+from app.views.chat_images import ThumbnailRow
 from app.views.common import hbox, plain_label, set_tone, spin
 from app.views.markdown_view import MarkdownView
 
@@ -35,10 +36,11 @@ class MessageWidget(QFrame):
     edit_submitted = Signal(str)
     regenerate_requested = Signal()
 
-    def __init__(self, role: str, text: str = ""):
+    def __init__(self, role: str, text: str = "", images: Sequence[bytes] = ()):
         super().__init__()
         self.role = role
         self.content = text
+        self.images = list(images)
         self.setObjectName("bubbleUser" if role == "user" else "bubbleAssistant")
         lay = QVBoxLayout(self)
         lay.setContentsMargins(14, 8, 14, 10)
@@ -54,6 +56,9 @@ class MessageWidget(QFrame):
         self.regen_button.clicked.connect(self.regenerate_requested)
         self.regen_button.hide()
         lay.addLayout(hbox(who, None, self.copy_button, self.edit_button, self.regen_button, spacing=2))
+        self.thumbnails = ThumbnailRow(self.images) if self.images else None
+        if self.thumbnails is not None:
+            lay.addWidget(self.thumbnails)
         self.body = MarkdownView()
         lay.addWidget(self.body)
         self.editor = QPlainTextEdit()
@@ -142,11 +147,21 @@ class ElidedLabel(QLabel):
 
 
 class PromptEdit(QPlainTextEdit):
-    """Enter sends, Shift+Enter adds a line."""
+    """Enter sends, Shift+Enter adds a line; a pasted or dropped image goes to ``on_images``."""
 
-    def __init__(self, on_send):
+    def __init__(self, on_send, on_images: Optional[Callable[[QMimeData], bool]] = None):
         super().__init__()
         self._on_send = on_send
+        self._on_images = on_images
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return (self._on_images is not None and (source.hasImage() or source.hasUrls())) \
+            or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        if self._on_images is not None and self._on_images(source):
+            return
+        super().insertFromMimeData(source)
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
         if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:

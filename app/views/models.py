@@ -156,7 +156,8 @@ class ModelsView(QWidget):
         for entry in self.entries:
             fits = {True: "yes", False: "no", None: "?"}[entry.fits]
             item = QTreeWidgetItem([entry.display_name or entry.name, entry.source, entry.kind,
-                                    entry.format + (f" · {entry.architecture}" if entry.architecture else ""),
+                                    entry.format + (f" · {entry.architecture}" if entry.architecture else "")
+                                    + (" · images" if entry.images else ""),
                                     entry.size_str, hub.human_bytes(entry.needed_bytes) if entry.needed_bytes else "?",
                                     fits, _short(entry.pair), self._status(entry)])
             item.setData(0, Qt.UserRole, entry.key)
@@ -353,8 +354,8 @@ class ModelsView(QWidget):
     def _on_loaded(self, info: dict) -> None:
         self.loaded = dict(info)
         self.redraw()
-        self._say(f"loaded {info.get('name')}" + (f" with drafter {info['drafter']}" if info.get("drafter") else ""),
-                  "good")
+        self._say(f"loaded {info.get('name')}" + (f" with drafter {info['drafter']}" if info.get("drafter") else "")
+                  + (" · takes images" if info.get("takes_images") else ""), "good")
 
     def _on_load_failed(self, message: str) -> None:
         self.redraw()

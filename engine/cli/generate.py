@@ -15,6 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", choices=MODES)
     p.add_argument("--prompt", required=False, default=None, help="the prompt text ('-' reads standard input)")
     p.add_argument("--system", default=None, help="a system message (chat template only)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (repeatable; a vision model: PNG, JPEG, WebP, GIF, BMP)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto' "
@@ -38,14 +40,18 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError("empty prompt: give some text to continue")
     if args.max_new_tokens < 1:
         raise TandemError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    images = _read_images(args.image, args.no_chat_template)  # before the load: a bad file fails fast
     eng = load_engine(args)
     for note in eng.notes:
         print(f"tandem: {note}", file=sys.stderr)
+    if images and (refusal := eng.image_refusal()):
+        raise TandemError(refusal)
     warm_up(eng, [args.mode])
     result = None
     for chunk in eng.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, max_draft=args.max_draft,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=args.stop, chat_template=not args.no_chat_template, system=args.system):
+                            stop=args.stop, chat_template=not args.no_chat_template, system=args.system,
+                            images=images):
         if chunk.text:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -59,3 +65,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"[{eng.name}] {result.summary()}", file=sys.stderr)
     return 0
+
+
+def _read_images(paths: list[str], no_chat_template: bool) -> list:
+    if not paths:
+        return []
+    from engine.errors import TandemError
+    from engine.images import MAX_IMAGES, read_image_file
+
+    if no_chat_template:
+        raise TandemError("--image needs the chat template (it places the image); drop --no-chat-template")
+    if len(paths) > MAX_IMAGES:
+        raise TandemError(f"{len(paths)} --image files; at most {MAX_IMAGES}")
+    return [read_image_file(p) for p in paths]

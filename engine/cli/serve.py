@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                    help="serve browser requests from this web origin (e.g. http://localhost:3000; '*': any), "
                         "with CORS headers; by default requests from web pages are refused")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs that requests name (off: images come as data URLs / base64, "
+                        "so a web page cannot make the server fetch what it names)")
     p.add_argument("--mode", default="auto", choices=MODES, help="decoding mode when a request names none")
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto'")
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                           top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
                           allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
-                          max_batch=args.max_batch, max_queue=args.max_queue)
+                          max_batch=args.max_batch, max_queue=args.max_queue,
+                          allow_image_urls=args.allow_image_urls)
     server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C

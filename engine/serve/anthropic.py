@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
                                       str_list, tandem_options)
+from engine.serve.images import anthropic_ref, join_parts
 
 
 def _blocks(content: Any, where: str) -> list[dict]:
@@ -93,13 +94,14 @@ def parse_messages(messages: Any, system: Any) -> list[dict]:
                 out.append(msg)
             elif kind in ("thinking", "redacted_thinking"):
                 continue
-            elif kind in ("image", "document", "audio"):
-                raise RequestError(f"{at}: '{kind}' blocks are not supported (this server runs a text-only model)",
-                                   param=at)
+            elif kind == "image" and role == "user":
+                text.append(anthropic_ref(block, at))
+            elif kind in ("document", "audio"):
+                raise RequestError(f"{at}: '{kind}' blocks are not supported", param=at)
             else:
                 raise RequestError(f"{at}: unsupported block type '{kind}' for role {role}", param=at)
         if text or calls or not m.get("content"):
-            msg = {"role": role, "content": "\n".join(text)}
+            msg = {"role": role, "content": join_parts(text, "\n")}
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)

@@ -14,12 +14,14 @@ from typing import Any
 
 from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
                                       str_list, tandem_options)
+from engine.serve.images import join_parts, openai_ref
 
 # Fields clients send that change nothing here when left at their defaults.
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "reasoning_effort": None}
 
 
-def _text_content(content: Any, where: str) -> str:
+def _text_content(content: Any, where: str) -> str | list[dict]:
+    """The text of a message's content, or its parts when it holds images (engine/serve/images.py)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -35,12 +37,13 @@ def _text_content(content: Any, where: str) -> str:
                 if not isinstance(text, str):
                     raise RequestError(f"{where}: a '{kind}' part needs a string 'text'", param=where)
                 parts.append(text)
-            elif kind in ("image_url", "input_image", "input_audio", "file"):
-                raise RequestError(f"{where}: '{kind}' content is not supported (this server runs a text-only model)",
-                                   param=where)
+            elif kind in ("image_url", "input_image"):
+                parts.append(openai_ref(part, f"{where}.content[{len(parts)}]"))
+            elif kind in ("input_audio", "file"):
+                raise RequestError(f"{where}: '{kind}' content is not supported", param=where)
             else:
                 raise RequestError(f"{where}: unknown content part type {json.dumps(kind)[:40]}", param=where)
-        return "".join(parts)
+        return join_parts(parts)
     raise RequestError(f"{where}: 'content' must be a string or a list of parts", param=where)
 
 

@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator
 
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
+from engine.serve import images as serve_images
 from engine.serve.chat_format import (GenSpec, OutputParser, PromptTooLong, Reply, RequestError,
                                       bytes_per_token_bound, encode_bounded, matched_stop, new_id, opens_thinking,
-                                      render_chat)
+                                      render_chat, tools_as_text)
 from engine.serve.http import ClientGone, RequestHandler
 from engine.serve.worker import Job
 
@@ -123,8 +124,29 @@ class Handler(RequestHandler):
 
     def _count_tokens(self) -> None:
         spec = anthropic_api.parse_request(self._read_json(), count_only=True)
-        _, ids = self._render(self._engine(), spec, anthropic_api)
+        engine = self._engine()
+        image = self._image_prompt(engine, spec)
+        _, ids = (image.text, image.ids) if image is not None else self._render(engine, spec, anthropic_api)
         self._json(200, {"input_tokens": len(ids)})
+
+    def _image_prompt(self, engine: Any, spec: GenSpec) -> Any:
+        """A chat with images as the engine's ImagePrompt (None for one without); a 4xx for a
+        text-only model or an image that cannot be used."""
+        if spec.kind != "chat" or not serve_images.has_refs(spec.messages):
+            return None
+        from engine import vision
+
+        refusal = engine.image_refusal()
+        if refusal is not None:
+            raise RequestError(refusal, param="messages")
+        messages = serve_images.resolve(spec.messages, allow_urls=self.tandem.config.allow_image_urls)
+        if spec.tools:
+            messages = tools_as_text(messages, spec.tools)
+        with self.tandem.tokenizer_lock:  # the processor (image preprocessing) is not known to be thread-safe
+            try:
+                return vision.image_prompt(engine, *vision.split_images(messages))
+            except vision.ImageError as e:
+                raise RequestError(str(e), param="messages", status=e.status) from None
 
     def _tokenizer(self, engine: Any) -> Any:
         """The engine's tokenizer, for use without a lock: encoding and decoding only read it. The one
@@ -164,7 +186,8 @@ class Handler(RequestHandler):
         t0 = time.perf_counter()
         srv, cfg = self.tandem, self.tandem.config
         engine = self._engine()
-        prompt_text, ids = self._render(engine, spec, dialect)
+        image = self._image_prompt(engine, spec)
+        prompt_text, ids = (image.text, image.ids) if image is not None else self._render(engine, spec, dialect)
         if writer is None:
             writer = openai_api.CompletionWriter(spec, prompt_text)
         limit = srv.max_context
@@ -178,6 +201,8 @@ class Handler(RequestHandler):
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
             seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop)
+        if image is not None:
+            kwargs["image_prompt"] = image
         prefix = {"openai": "chatcmpl-" if spec.kind == "chat" else "cmpl-", "anthropic": "msg_"}
         reply = Reply(id=new_id(prefix["anthropic" if dialect is anthropic_api else "openai"]),
                       model=spec.model or srv.model_name, created=int(time.time()), prompt_tokens=len(ids),

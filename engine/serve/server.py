@@ -76,6 +76,7 @@ class ServerConfig:
     allow_origins: tuple[str, ...] = ()  # browser Origins served (with CORS headers); none by default
     max_batch: int = 1  # requests decoding together (continuous batching); 1: one at a time
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond it get 503 with Retry-After
+    allow_image_urls: bool = False  # fetch http(s) image URLs named in requests (off: data URLs only)
 
 
 def model_context(engine: Any) -> int | None:
