@@ -352,3 +352,20 @@ def test_a_sliding_window_family_gemma3_is_lossless_with_images_and_restores_at_
     warm = g3.generate(history, **kw)
     assert first.token_ids == cold.token_ids
     assert warm.cached_tokens > 0 and warm.token_ids == g3.generate(history, prefix_cache=False, **kw).token_ids
+
+
+@pytest.mark.parametrize("mode", ["lookup", "dspark"])
+def test_image_requests_batch_with_text_ones(vlm, image, mode, tmp_path):
+    """Two image requests (different images) and a text one share each forward: each gets its
+    answer alone, the image rows prefilled with their own image's embeddings."""
+    from engine.batching import Batcher
+
+    mode = set_up(vlm, mode, tmp_path)
+    other = decode_image(png_bytes(2))
+    prompts = [ask(QUESTION, image), ask(QUESTION, other), "w9 w10 w11 w9 w10"]
+    want = [vlm.generate(p, mode=mode, max_new_tokens=N, prefix_cache=False).token_ids for p in prompts]
+    batcher = Batcher(vlm, 3)
+    tickets = [batcher.submit(p, mode=mode, max_new_tokens=N, prefix_cache=False) for p in prompts]
+    batcher.run()
+    assert [t.result.token_ids for t in tickets] == want and want[0] != want[1]
+    assert max(t.result.batch_width for t in tickets) == 3
