@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.prefix_cache import PrefixCache
+from engine.processors import LogitsProcessor, Processing, TokenLogprob
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
@@ -45,6 +46,7 @@ class GenerationResult:
     note: str | None = None  # why --mode auto ran baseline, when it had to
     caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
     @property
     def generated(self) -> int:
@@ -106,6 +108,7 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     event: RoundEvent | None = None
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
 
 class Engine:
@@ -235,11 +238,23 @@ class Engine:
         cancel: Callable[[], bool] | None = None,
         prefill_progress: Callable[[int, int], None] | None = None,
         prefix_cache: bool = True,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[Chunk]:
+        """Penalties and ``logit_bias`` change the distribution sampled from (speculation stays
+        on and lossless); ``logprobs``: None, or how many top alternatives to report with each
+        token's logprob (0..20) in ``Chunk.logprobs`` / ``GenerationResult.logprobs``. Their
+        definitions: ``engine/processors.py``."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
-        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        processing = Processing(presence_penalty, frequency_penalty, repetition_penalty, dict(logit_bias or {}),
+                                logprobs).validate(self.target.vocab_size)
+        params = SamplingParams(temperature, top_p, top_k, seed)
         prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
+        sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
@@ -260,6 +275,7 @@ class Engine:
         stops = StopMatcher(stop)
         tokens: list[int] = []
         times: list[float] = []
+        token_logprobs: list[TokenLogprob] | None = [] if processing.logprobs is not None else None
         t0 = time.perf_counter()
         t_first = None
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
@@ -276,6 +292,8 @@ class Engine:
                     t_first = now
                 tokens.extend(new)
                 times.extend([now - t0] * len(new))
+                if token_logprobs is not None:
+                    token_logprobs.extend(event.logprobs or ())
                 if on_round is not None:
                     on_round(event)
                 text, stopped = stops.feed(detok.add(new))
@@ -283,7 +301,11 @@ class Engine:
                     stats.finish_reason = "stop"
                     tokens = self._tokens_before_stop(tokens, detok.text, stop)
                     times = times[: len(tokens)]
-                yield Chunk(text, new, event)
+                new_logprobs = None
+                if token_logprobs is not None:  # this round's, up to the stop string's cut
+                    new_logprobs = token_logprobs[len(token_logprobs) - len(new): len(tokens)]
+                    del token_logprobs[len(tokens):]
+                yield Chunk(text, new, event, logprobs=new_logprobs)
                 if stopped:
                     break
                 if cancel is not None and cancel():
@@ -307,7 +329,7 @@ class Engine:
             text=full_text, token_ids=tokens, mode=mode, prompt_tokens=len(prompt_ids), rounds=stats.rounds,
             prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
             finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps,
-            cached_tokens=stats.cached_tokens))
+            cached_tokens=stats.cached_tokens, logprobs=token_logprobs))
         if store is not None:
             store.flush()  # the disk tier's write, once the reply is out
 

@@ -40,6 +40,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import mlx.core as mx
 
 from engine.drafters.base import Drafter, DrafterState
+from engine.processors import read_logprobs
 from engine.sampling import Sampler, accept_greedy, accept_sampled
 from engine.target import Target
 
@@ -60,6 +61,7 @@ class RoundEvent:
     verify_s: float = 0.0
     mode: str = ""
     drafted_by: str = ""  # the drafter whose draft this round verified ("" when none): "lookup", "dspark", ...
+    logprobs: list | None = None  # per committed token (engine.processors.TokenLogprob), when the request asks
 
 
 class CapPolicy(Protocol):
@@ -178,14 +180,17 @@ def decode(
     else:  # the whole prompt was restored, with the row after it
         logits, hidden = resume.logits, None
     stats.prompt_logits = logits
-    first = sampler.pick(logits)
     ids = stats.ids
+    row = sampler.process(logits, ids)
+    first = sampler.pick(row)
+    first_logprobs = sampler.logprobs(row, first)
     ids.append(first.item())
     stats.prefill_s = clock() - t0
     t_start = clock()
     generated = 0
 
-    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by=""):
+    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by="",
+             logprobs=None):
         """Apply EOS / length stops to a committed block; return (tokens, event, done)."""
         nonlocal generated
         done = False
@@ -203,12 +208,13 @@ def decode(
         stats.caps.append(cap)
         stats.target_forwards = target.forwards - forwards_at_start
         event = RoundEvent(len(stats.rounds) - 1, clock() - t_start, drafted, accepted, len(out), cap,
-                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by)
+                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by,
+                           None if logprobs is None else logprobs[: len(out)])
         return out, event, done
 
     if max_new_tokens <= 0:
         return
-    out, event, done = emit([ids[-1]], 0, 0, 0)
+    out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=read_logprobs([ids[-1]], first_logprobs))
     yield out, event
     if done:
         return
@@ -267,17 +273,19 @@ def decode(
         if pad:
             logits = logits[:width]
         drafts = verify_ids[1:width]
+        logits = sampler.process(logits, ids, drafts)  # row i after ids + drafts[:i]
         if sampler.greedy:
             n, committed = accept_greedy(drafts, logits)
         else:
             n, committed = accept_sampled(drafts, draft.probs if k else None, logits, sampler)
         txn.commit(n + 1)
+        logprobs = read_logprobs(committed, sampler.logprobs(logits[: n + 1], mx.array(committed)))
         t_end = clock()
         ids.extend(committed)
         stats.cache_len = len(ids) - 1  # all but the new anchor
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
         out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
-                                (draft.source or drafter.name) if k else "")
+                                (draft.source or drafter.name) if k else "", logprobs)
         now = clock()
         cap_policy.observe(k, n, now - t_last)
         t_last = now
@@ -329,19 +337,21 @@ def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n:
     flight), ends the run after that token instead.
     ``stats.cache_len`` follows what the caches hold: a queued forward has fed the yielded token."""
 
-    def queue(token: mx.array) -> tuple[mx.array, mx.array | None]:
+    def queue(token: mx.array, in_flight: bool) -> tuple:
         logits, hidden = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True, tap=tap)
-        nxt = sampler.pick(logits[-1])
-        mx.async_eval(nxt, *([hidden] if hidden is not None else []))
-        return nxt, hidden
+        row = sampler.process(logits[-1], ids, token if in_flight else None)  # after ids (+ the token in flight)
+        nxt = sampler.pick(row)
+        logprobs = sampler.logprobs(row, nxt)
+        mx.async_eval(nxt, *([hidden] if hidden is not None else []), *(logprobs or ()))
+        return nxt, hidden, logprobs
 
-    y, hidden = queue(mx.array(ids[-1]))
+    y, hidden, logprobs = queue(mx.array(ids[-1]), False)
     for i in range(n):
-        following = queue(y) if i + 1 < n and not (stop is not None and stop()) else None
+        following = queue(y, True) if i + 1 < n and not (stop is not None and stop()) else None
         ids.append(y.item())
         stats.cache_len = len(ids) if following is not None else len(ids) - 1  # a queued forward fed y
-        out, event, done = emit([ids[-1]], 0, 0, 0)
+        out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=read_logprobs([ids[-1]], logprobs))
         yield out, event, done, hidden
         if done or following is None:
             return
-        y, hidden = following
+        y, hidden, logprobs = following
