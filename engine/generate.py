@@ -159,14 +159,18 @@ class Engine:
             self.prefix_cache.clear()
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None,
+               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a prompt; text and messages go through the chat template (with
+        ``template_kwargs``, e.g. ``{"enable_thinking": False}``) when the tokenizer has one."""
+        kwargs = dict(template_kwargs or {})
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise TandemError("empty prompt: give some text to continue")
             if chat_template and getattr(self.tokenizer, "chat_template", None):
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}]
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
             return list(self.tokenizer.encode(prompt))
         prompt = list(prompt)
         if not prompt:
@@ -174,7 +178,7 @@ class Engine:
         if isinstance(prompt[0], dict):
             if not getattr(self.tokenizer, "chat_template", None):
                 raise TandemError(f"{self.name} has no chat template; pass plain text instead of messages")
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs))
         return [int(t) for t in prompt]
 
     # -- drafters ---------------------------------------------------------------------------
@@ -243,6 +247,7 @@ class Engine:
         repetition_penalty: float = 1.0,
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Iterator[Chunk]:
         """Penalties and ``logit_bias`` change the distribution sampled from (speculation stays
         on and lossless); ``logprobs``: None, or how many top alternatives to report with each
@@ -253,7 +258,7 @@ class Engine:
         processing = Processing(presence_penalty, frequency_penalty, repetition_penalty, dict(logit_bias or {}),
                                 logprobs).validate(self.target.vocab_size)
         params = SamplingParams(temperature, top_p, top_k, seed)
-        prompt_ids = self.encode(prompt, chat_template=chat_template, system=system)
+        prompt_ids = self.encode(prompt, chat_template=chat_template, system=system, template_kwargs=template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)

@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse prompts longer than this (default: the model's max_position_embeddings)")
     p.add_argument("--served-name", default=None, help="the model name /v1/models reports (default: the model's)")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while waiting")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="enable_thinking=false for chat templates with the switch, unless a request asks otherwise")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
 
 
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(mode=args.mode, max_draft=args.max_draft, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, default_max_tokens=args.default_max_tokens,
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
-                          allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin))
+                          allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
+                          thinking=False if args.no_thinking else None)
     server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C

@@ -14,8 +14,10 @@ from typing import Any, Callable, Iterator
 
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
+from engine.errors import TandemError
+from engine.processors import Processing
 from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
-                                      opens_thinking, render_chat)
+                                      opens_thinking, render_chat, unread_template_kwargs)
 from engine.serve.http import ClientGone, RequestHandler
 from engine.serve.worker import Job
 
@@ -123,7 +125,11 @@ class Handler(RequestHandler):
     def _render(self, engine: Any, spec: GenSpec) -> tuple[str, list[int]]:
         with self.tandem.tokenizer_lock:
             if spec.kind == "chat":
-                return render_chat(engine.tokenizer, spec.messages, spec.tools)
+                kwargs = dict(spec.template_kwargs)
+                spec.ignored += unread_template_kwargs(engine.tokenizer, kwargs)  # what the request asked for
+                if self.tandem.config.thinking is not None:  # tandem serve --no-thinking
+                    kwargs.setdefault("enable_thinking", self.tandem.config.thinking)
+                return render_chat(engine.tokenizer, spec.messages, spec.tools, kwargs)
             if isinstance(spec.prompt, str):
                 return spec.prompt, engine.encode(spec.prompt, chat_template=False)
             vocab = engine.target.vocab_size
@@ -148,11 +154,15 @@ class Handler(RequestHandler):
             temperature=cfg.temperature if spec.temperature is None else spec.temperature,
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
-            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop)
+            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop, **spec.processing())
+        try:
+            Processing(**spec.processing()).validate(engine.target.vocab_size)
+        except TandemError as e:
+            raise RequestError(str(e), param="logit_bias") from None
         prefix = {"openai": "chatcmpl-" if spec.kind == "chat" else "cmpl-", "anthropic": "msg_"}
         reply = Reply(id=new_id(prefix["anthropic" if dialect is anthropic_api else "openai"]),
                       model=spec.model or srv.model_name, created=int(time.time()), prompt_tokens=len(ids),
-                      stop=spec.stop)
+                      stop=spec.stop, token_text=self._token_text(engine) if spec.logprobs is not None else None)
         parser = None
         if spec.kind == "chat":
             names = [t["function"]["name"] for t in spec.tools] if spec.tools else None
@@ -170,6 +180,18 @@ class Handler(RequestHandler):
             job.cancel.set()  # a no-op when it finished; stops it when anything above failed
             srv.metrics.gauge("in_flight", -1)
             srv.metrics.latency_observe(time.perf_counter() - t0)
+
+    def _token_text(self, engine: Any) -> Callable[[int], str]:
+        """Token id -> its text, for logprobs (cached per request; the tokenizer under its lock)."""
+        known: dict[int, str] = {}
+
+        def text(token: int) -> str:
+            if token not in known:
+                with self.tandem.tokenizer_lock:
+                    known[token] = engine.tokenizer.decode([token])
+            return known[token]
+
+        return text
 
     def _relay(self, job: Job, writer: Any, parser: OutputParser | None, reply: Reply, spec: GenSpec,
                keepalive: Callable[[], None] | None = None) -> Iterator[list]:
@@ -193,6 +215,7 @@ class Handler(RequestHandler):
                 continue
             kind = item[0]
             if kind == "text":
+                reply.logprobs += item[2] if len(item) > 2 else []
                 events = parser.feed(item[1]) if parser else [("text", item[1])]
                 reply.add(events)
                 yield events

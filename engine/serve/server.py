@@ -64,6 +64,7 @@ class ServerConfig:
     model_name: str | None = None  # None: the engine's name
     allow_hosts: tuple[str, ...] = ()  # Host names answered besides localhost and the bound address
     allow_origins: tuple[str, ...] = ()  # browser Origins served (with CORS headers); none by default
+    thinking: bool | None = None  # enable_thinking for templates with the switch unless a request says; None: theirs
 
 
 def model_context(engine: Any) -> int | None:

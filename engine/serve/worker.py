@@ -103,7 +103,8 @@ class EngineWorker(threading.Thread):
 
         def on_round(ev: Any) -> None:
             if events.active:
-                events.publish({"type": "round", "id": job.id, **dataclasses.asdict(ev)})
+                events.publish({"type": "round", "id": job.id,
+                                **{k: v for k, v in dataclasses.asdict(ev).items() if k != "logprobs"}})
 
         def progress(done: int, total: int) -> None:
             if job.cancel.is_set():  # a long prefill stops between chunks
@@ -121,6 +122,8 @@ class EngineWorker(threading.Thread):
                     if events.active:
                         events.publish({"type": "result", "id": job.id, **chunk.result.to_dict()}, evict=True)
                     job.out.put(("result", chunk.result))
+                elif chunk.logprobs:
+                    job.out.put(("text", chunk.text, chunk.logprobs))
                 elif chunk.text:
                     job.out.put(("text", chunk.text))
         except _Cancelled:
