@@ -9,6 +9,8 @@ the tests' plain tiny llama, whose tokenizer has no template (no thinking switch
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -204,3 +206,27 @@ def test_server_wide_no_thinking_is_the_default_a_request_can_override():
         assert r.usage.prompt_tokens == off - 2
     finally:
         srv.stop()
+
+
+# -- tandem claude --print-settings ---------------------------------------------------------------
+
+def test_claude_print_settings_is_a_settings_local_json_block(think, capfd, monkeypatch, tmp_path):
+    from engine.cli import main
+
+    monkeypatch.setenv("CLAUDE_CODE_USE_BEDROCK", "1")  # a provider switch in this shell: emptied in the file
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert main(["claude", "--port", str(think.port), "--print-settings"]) == 0
+    captured = capfd.readouterr()
+    env = json.loads(captured.out)["env"]
+    assert env["ANTHROPIC_BASE_URL"] == think.url and env["ANTHROPIC_MODEL"] == "tiny-think"
+    assert env["ANTHROPIC_AUTH_TOKEN"] == "tandem-local" and env["ANTHROPIC_API_KEY"] == ""
+    assert env["CLAUDE_CODE_USE_BEDROCK"] == "" and "127.0.0.1" in env["NO_PROXY"].split(",")
+    assert "HTTPS_PROXY" not in env and "settings.local.json" in captured.err and "API key" not in captured.err
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-local\n")
+    assert main(["claude", "--port", str(think.port), "--model", "m", "--api-key-file", str(key_file),
+                 "--print-settings"]) == 0
+    captured = capfd.readouterr()
+    env = json.loads(captured.out)["env"]
+    assert env["ANTHROPIC_AUTH_TOKEN"] == "sk-local" and env["ANTHROPIC_MODEL"] == "m"
+    assert "holds the server's API key" in captured.err
