@@ -103,6 +103,7 @@ class EngineWorker(QObject):
         from mlx.utils import tree_flatten
 
         from engine.roofline import active_weight_bytes, kv_profile
+        from engine.serve.chat_format import template_reads
 
         loaded = getattr(eng, "loaded", None)
         flat = tree_flatten(eng.model.parameters())
@@ -118,6 +119,7 @@ class EngineWorker(QObject):
             "kv_bytes_per_token": kv.bytes_per_token,
             "layers": eng.target.num_layers, "vocab": eng.target.vocab_size,
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
+            "thinking_switch": template_reads(eng.tokenizer, "enable_thinking"),
             "can_rollback": eng.target.speculation_blocker() is None,
             "mode_support": _mode_support(eng),
             **_auto_choice(eng),
@@ -176,6 +178,7 @@ class EngineWorker(QObject):
                 started: Callable[[str, int], None] | None = None, prefix_cache: bool = True) -> dict:
         """Run one generation on the current engine; returns the result as a plain dict."""
         from engine.detokenize import StreamingDetokenizer
+        from engine.serve.chat_format import template_reads
 
         eng = self.engine
         prompt, use_template = self._prompt_for(prompt)
@@ -200,6 +203,8 @@ class EngineWorker(QObject):
 
         kwargs = {k: params[k] for k in ("mode", "max_new_tokens", "max_draft", "temperature", "top_p", "top_k",
                                          "seed", "stop", "system") if k in params and params[k] is not None}
+        if use_template and params.get("thinking") is not None and template_reads(eng.tokenizer, "enable_thinking"):
+            kwargs["template_kwargs"] = {"enable_thinking": bool(params["thinking"])}
         for chunk in eng.stream(prompt, chat_template=use_template, on_round=on_round, prefix_cache=prefix_cache,
                                 prefill_progress=prefill_progress, cancel=lambda: self.bridge.is_cancelled(rid),
                                 **kwargs):
