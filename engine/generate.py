@@ -18,6 +18,7 @@ from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
 from engine.errors import TandemError
 from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import turn_boundary as prefix_turn_boundary
 from engine.processors import LogitsProcessor, Processing, TokenLogprob
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
@@ -181,6 +182,21 @@ class Engine:
             return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs))
         return [int(t) for t in prompt]
 
+    def _turn_boundary(self, prompt: Prompt, prompt_ids: list[int], chat_template: bool, system: str | None,
+                       template_kwargs: Mapping[str, Any] | None) -> int | None:
+        """For a chat prompt (messages, or text through the template): where its next turn departs."""
+        if not chat_template or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        if isinstance(prompt, str):
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        elif prompt and isinstance(prompt[0], dict):
+            messages = list(prompt)
+        else:
+            return None
+        kwargs = dict(template_kwargs or {})
+        return prefix_turn_boundary(
+            lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=False, **kwargs), messages, prompt_ids)
+
     # -- drafters ---------------------------------------------------------------------------
     def resolve_mode(self, mode: str) -> str:
         if mode not in MODES:
@@ -248,17 +264,21 @@ class Engine:
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        turn_boundary: int | None = None,
     ) -> Iterator[Chunk]:
         """Penalties and ``logit_bias`` change the distribution sampled from (speculation stays
         on and lossless); ``logprobs``: None, or how many top alternatives to report with each
         token's logprob (0..20) in ``Chunk.logprobs`` / ``GenerationResult.logprobs``. Their
-        definitions: ``engine/processors.py``."""
+        definitions: ``engine/processors.py``. ``turn_boundary``: how many prompt tokens the next
+        turn of this chat will share (``prefix_cache.turn_boundary``; found here for messages)."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         processing = Processing(presence_penalty, frequency_penalty, repetition_penalty, dict(logit_bias or {}),
                                 logprobs).validate(self.target.vocab_size)
         params = SamplingParams(temperature, top_p, top_k, seed)
         prompt_ids = self.encode(prompt, chat_template=chat_template, system=system, template_kwargs=template_kwargs)
+        if turn_boundary is None and prefix_cache and self.prefix_cache is not None:
+            turn_boundary = self._turn_boundary(prompt, prompt_ids, chat_template, system, template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
@@ -285,10 +305,12 @@ class Engine:
         t_first = None
         eos = list(getattr(self.tokenizer, "eos_token_ids", None) or [])
         store = self.prefix_cache if prefix_cache else None
-        plan = store.plan(self.target, drafter, prompt_ids) if store is not None else None
+        plan = store.plan(self.target, drafter, prompt_ids, [turn_boundary] if turn_boundary else ()) \
+            if store is not None else None
         steps = decode(self.target, drafter, prompt_ids, sampler, max_new_tokens=max_new_tokens, eos_ids=eos,
                        cap_policy=cap_policy, stats=stats, mode=mode, prefill_progress=prefill_progress,
-                       resume=plan.resume if plan else None, on_prefill=plan.on_prefill if plan else None)
+                       resume=plan.resume if plan else None, on_prefill=plan.on_prefill if plan else None,
+                       prefill_stops=plan.stops if plan else ())
         stopped = False
         try:
             for new, event in steps:

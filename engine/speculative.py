@@ -142,6 +142,7 @@ def decode(
     clock: Callable[[], float] | None = None,
     resume: Resume | None = None,
     on_prefill: Callable[[int, list], None] | None = None,
+    prefill_stops: Sequence[int] = (),
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
@@ -150,7 +151,8 @@ def decode(
     the time source for events and the cap policy (default ``time.perf_counter``; tests drive
     a cost model through it). ``on_prefill(n, cache)``: called when the caches hold the prompt's
     first n tokens (after a restore, after each prefill chunk), before anything else is written
-    to them.
+    to them. ``prefill_stops``: prompt positions where a prefill chunk ends (and ``on_prefill``
+    is called) besides the usual ones.
     """
     clock = clock or time.perf_counter
     stats = stats if stats is not None else DecodeStats()
@@ -176,7 +178,8 @@ def decode(
 
     prefilled(0, len(prompt_ids) - cached)
     if cached < len(prompt_ids):
-        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached)
+        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached,
+                                        stops=[s - cached for s in prefill_stops])
     else:  # the whole prompt was restored, with the row after it
         logits, hidden = resume.logits, None
     stats.prompt_logits = logits

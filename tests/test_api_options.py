@@ -230,3 +230,54 @@ def test_claude_print_settings_is_a_settings_local_json_block(think, capfd, monk
     env = json.loads(captured.out)["env"]
     assert env["ANTHROPIC_AUTH_TOKEN"] == "sk-local" and env["ANTHROPIC_MODEL"] == "m"
     assert "holds the server's API key" in captured.err
+
+
+# -- the prefix cache across turns with thinking off ----------------------------------------------
+
+def _two_turns(run, first: list[dict]) -> tuple[object, object, list[dict]]:
+    r1 = run(first)
+    second = first + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "w9 w10 w11"}]
+    return r1, run(second), second
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])  # trimmable caches; recurrent + full attention (no trimming)
+def test_next_turn_restores_everything_before_the_empty_think_block(arch):
+    """With thinking off the generation prompt ends in ``<think> </think>``, which the next turn's
+    history does not have: the next turn can restore at most up to there. A cache that cannot be
+    cut back needs a snapshot at exactly that point (without it the hybrid restored nothing)."""
+    tok = thinking_tokenizer()
+    model = make_tiny_model(arch, seed=2, vocab=len(tok._tokenizer), scale=3.0)
+    first = [{"role": "user", "content": "w5 w6 w7 " * 20}]
+    off = {"enable_thinking": False}
+    cached, fresh = Engine(model, tok), Engine(model, tok)
+    fresh.configure_prefix_cache(False)
+
+    def run(engine):
+        return lambda m: engine.generate(m, max_new_tokens=10, mode="baseline", template_kwargs=off)
+
+    r1, r2, second = _two_turns(run(cached), first)
+    prompt1 = cached.encode(first, template_kwargs=off)
+    assert prompt1[-2:] == tok._tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert r2.cached_tokens == len(prompt1) - 2
+    assert r2.token_ids == run(fresh)(second).token_ids  # restored or not, the same answer
+    r3 = cached.generate(second, max_new_tokens=10, mode="baseline", template_kwargs=off)
+    assert r3.cached_tokens == len(cached.encode(second, template_kwargs=off))  # the same prompt again: all of it
+
+
+def test_server_turns_with_thinking_off_hit_the_prefix_cache():
+    srv = make_server(lambda: Engine(make_tiny_model("qwen3_5", seed=2, vocab=103, scale=3.0), thinking_tokenizer(),
+                                     name="hybrid"), port=0, max_context=4096, thinking=False).start()
+    try:
+        srv.wait_ready(60)
+        client = oai(srv)
+
+        def run(messages):
+            r = client.chat.completions.create(model="t", messages=messages, max_tokens=10)
+            r.text = r.choices[0].message.content or ""
+            return r
+
+        first = [{"role": "user", "content": "w5 w6 w7 " * 20}]
+        r1, r2, _ = _two_turns(run, first)
+        assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens - 2
+    finally:
+        srv.stop()

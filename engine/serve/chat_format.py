@@ -109,15 +109,16 @@ def tools_as_text(messages: Sequence[dict], tools: Sequence[dict] | None) -> lis
     return out
 
 
-def chatml(messages: Sequence[dict]) -> str:
+def chatml(messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
     """The fallback rendering for a tokenizer without a chat template."""
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + (
+        "<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                template_kwargs: dict | None = None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) for canonical messages, ending with the assistant's turn.
-    ``template_kwargs``: variables for the template (``enable_thinking``...)."""
+                template_kwargs: dict | None = None, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """(prompt text, token ids) for canonical messages, ending with the assistant's turn (unless
+    not ``add_generation_prompt``). ``template_kwargs``: variables for the template (``enable_thinking``...)."""
     if not messages:
         raise TandemError("'messages' is empty: give at least one message")
     has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
@@ -125,7 +126,8 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] 
     if template and (template_supports_tools(tokenizer) or not (tools or has_tool_turns)):
         try:
             text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                 add_generation_prompt=True, tokenize=False, **(template_kwargs or {}))
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 **(template_kwargs or {}))
         except Exception as e:  # jinja raise_exception(), a template that needs other fields
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise TandemError(f"the model's chat template rejected these messages: {first}") from None
@@ -133,8 +135,8 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] 
         return text, list(tokenizer.encode(text, add_special_tokens=False))
     plain = tools_as_text(messages, tools)
     if template:
-        return render_chat(tokenizer, plain, None, template_kwargs)
-    text = chatml(plain)
+        return render_chat(tokenizer, plain, None, template_kwargs, add_generation_prompt=add_generation_prompt)
+    text = chatml(plain, add_generation_prompt)
     return text, list(tokenizer.encode(text))
 
 

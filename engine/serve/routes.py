@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
 from engine.errors import TandemError
+from engine.prefix_cache import turn_boundary
 from engine.processors import Processing
 from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
                                       opens_thinking, render_chat, unread_template_kwargs)
@@ -125,17 +126,28 @@ class Handler(RequestHandler):
     def _render(self, engine: Any, spec: GenSpec) -> tuple[str, list[int]]:
         with self.tandem.tokenizer_lock:
             if spec.kind == "chat":
-                kwargs = dict(spec.template_kwargs)
-                spec.ignored += unread_template_kwargs(engine.tokenizer, kwargs)  # what the request asked for
-                if self.tandem.config.thinking is not None:  # tandem serve --no-thinking
-                    kwargs.setdefault("enable_thinking", self.tandem.config.thinking)
-                return render_chat(engine.tokenizer, spec.messages, spec.tools, kwargs)
+                spec.ignored += unread_template_kwargs(engine.tokenizer, spec.template_kwargs)
+                return render_chat(engine.tokenizer, spec.messages, spec.tools, self._template_kwargs(spec))
             if isinstance(spec.prompt, str):
                 return spec.prompt, engine.encode(spec.prompt, chat_template=False)
             vocab = engine.target.vocab_size
             if any(t >= vocab for t in spec.prompt):
                 raise RequestError(f"'prompt' has a token id outside the vocabulary (size {vocab})", param="prompt")
             return engine.tokenizer.decode(spec.prompt), list(spec.prompt)
+
+    def _template_kwargs(self, spec: GenSpec) -> dict:
+        """The request's template variables over the server's defaults (tandem serve --no-thinking)."""
+        thinking = self.tandem.config.thinking
+        return ({} if thinking is None else {"enable_thinking": thinking}) | spec.template_kwargs
+
+    def _turn_boundary(self, engine: Any, spec: GenSpec, ids: list[int]) -> int | None:
+        """Where the next turn of this chat departs from its prompt (the prefix cache keeps a state there)."""
+        if spec.kind != "chat":
+            return None
+        kwargs = self._template_kwargs(spec)
+        with self.tandem.tokenizer_lock:
+            return turn_boundary(lambda m: render_chat(engine.tokenizer, m, spec.tools, kwargs,
+                                                       add_generation_prompt=False)[1], spec.messages, ids)
 
     def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
         t0 = time.perf_counter()
@@ -154,7 +166,8 @@ class Handler(RequestHandler):
             temperature=cfg.temperature if spec.temperature is None else spec.temperature,
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
-            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop, **spec.processing())
+            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop,
+            turn_boundary=self._turn_boundary(engine, spec, ids), **spec.processing())
         try:
             Processing(**spec.processing()).validate(engine.target.vocab_size)
         except TandemError as e:
