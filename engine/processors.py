@@ -6,7 +6,9 @@ from. The loop calls it in one place per verify and per plain step with the rows
 committed ids (prompt + output, ending with the anchor) and the drafts before each row. A
 processor that reads only the tokens before a position gives each verify row exactly the logits
 plain decoding computes there, so greedy output stays identical and speculative sampling stays
-an exact sample of the processed target distribution.
+an exact sample of the processed target distribution. Drafters still propose from their own,
+unprocessed distributions: the speculative-sampling rule is exact for any proposal q, so only
+the acceptance rate depends on it.
 
 Definitions (vLLM's, which follow OpenAI's API; applied in this order):
 
@@ -161,12 +163,8 @@ class LogitsProcessor:
             lead = tail.size - (rows - 1)  # tail tokens every row sees
             if lead < 0:
                 raise ValueError(f"{rows} rows need at least {rows - 1} tail tokens, got {tail.size}")
-            extra = mx.zeros((rows, x.shape[-1]), dtype=mx.float32)
-            if lead:
-                extra = extra + mx.zeros((x.shape[-1],), dtype=mx.float32).at[tail[:lead]].add(1.0)
-            if rows > 1:  # row i also sees drafts tail[lead : lead + i]
-                onehot = (tail[lead:, None] == mx.arange(x.shape[-1])[None]).astype(mx.float32)
-                extra = extra + mx.concatenate([mx.zeros((1, x.shape[-1])), mx.cumsum(onehot, axis=0)])
+            row, col = _before_each_row(rows, lead)  # row i sees tail[:lead + i]
+            extra = mx.zeros((rows, x.shape[-1]), dtype=mx.float32).at[mx.array(row), tail[mx.array(col)]].add(1.0)
             output = None if output is None else output + extra
             seen = None if seen is None else seen + extra
         p = self.processing
@@ -211,6 +209,12 @@ def read_logprobs(tokens: Sequence[int], parts: tuple[mx.array, ...] | None) -> 
     ids, lps = parts[1].tolist(), parts[2].tolist()
     return [TokenLogprob(int(t), float(c), list(zip(map(int, i), map(float, v))))
             for t, c, i, v in zip(tokens, chosen, ids, lps)]
+
+
+def _before_each_row(rows: int, lead: int) -> tuple[list[int], list[int]]:
+    """(row, tail index) pairs: row i sees tail[: lead + i]."""
+    pairs = [(i, j) for i in range(rows) for j in range(lead + i)]
+    return [i for i, _ in pairs], [j for _, j in pairs]
 
 
 def _add_counts(counts: mx.array, tokens: Sequence[int]) -> mx.array:

@@ -5,6 +5,11 @@ use the server's defaults (greedy unless ``tandem serve --temperature`` says oth
 OpenAI's temperature 1. Reasoning goes to ``reasoning_content`` (as DeepSeek and vLLM do);
 tool calls come whole in one delta once the model closes them. Every reply carries
 ``x_tandem`` (in the body, or in the final streamed chunk).
+
+``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (vLLM's extension) and
+``logit_bias`` change the distribution sampled from; ``logprobs``/``top_logprobs`` (chat) and
+``logprobs`` (completions) report it, up to 20 alternatives (``engine/processors.py`` defines
+both). ``chat_template_kwargs`` and ``enable_thinking`` reach the chat template.
 """
 
 from __future__ import annotations
