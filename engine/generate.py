@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
+from engine.drafters.suffix import SuffixIndex
 from engine.errors import TandemError
 from engine.prefix_cache import PrefixCache
 from engine.prefix_cache import turn_boundary as prefix_turn_boundary
@@ -133,6 +134,7 @@ class Engine:
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
+        self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
@@ -295,6 +297,9 @@ class Engine:
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
         else:
             cap_label = getattr(cap_policy, "label", "custom")
+        # Drafts change which random draws a sampled round makes: a seeded sample must not depend
+        # on what earlier requests left in the suffix index (greedy output never depends on drafts).
+        _use_history(drafter, params.greedy or seed is None)
         stats = DecodeStats()
         detok = StreamingDetokenizer(self.tokenizer)
         stops = StopMatcher(stop)
@@ -357,6 +362,8 @@ class Engine:
             prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
             finish_reason=stats.finish_reason, cap=cap_label, token_times=times, note=note, caps=stats.caps,
             cached_tokens=stats.cached_tokens, logprobs=token_logprobs))
+        if self.suffix_index is not None:  # what this request saw and wrote, for later requests' drafts
+            self.suffix_index.add(list(prompt_ids) + tokens)
         if store is not None:
             store.flush()  # the disk tier's write, once the reply is out
 
@@ -403,6 +410,13 @@ class Engine:
             if len(self.tokenizer.decode(tokens[:n], skip_special_tokens=False)) > cut:
                 return tokens[:n]
         return tokens
+
+
+def _use_history(drafter: Drafter | None, on: bool) -> None:
+    """Let a lookup drafter (alone or behind a model drafter) draft from earlier requests, or not."""
+    for d in (drafter, getattr(drafter, "lookup", None)):
+        if hasattr(d, "use_history"):
+            d.use_history = on
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     engine = engine_for(args.model)
     engine.configure_prefix_cache(False)  # every run prefills: decode speed only is compared
+    engine.suffix_index = None  # and lookup drafts from the context alone (not from the earlier runs)
     modes = args.modes.split(",")
     for mode in modes:  # warm the shapes once
         engine.generate(PROMPTS[0], mode=mode, max_new_tokens=16)
@@ -61,17 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {}
     prompts = PROMPTS[: args.prompts]
     for rep in range(args.reps):
-        for mode in modes:
-            for name, kw in SETTINGS.items():
-                total_tokens, total_s, ids = 0, 0.0, []
-                for prompt in prompts:
+        done = {key: [0, 0.0, []] for key in speeds}  # tokens, seconds, token ids
+        for prompt in prompts:  # settings interleaved per prompt: a busy machine slows them alike
+            for mode in modes:
+                for name, kw in SETTINGS.items():
                     r = engine.generate(prompt, mode=mode, max_new_tokens=args.tokens, **kw)
-                    total_tokens += r.generated - 1
-                    total_s += r.decode_s
-                    ids.append(r.token_ids)
-                speeds[mode, name].append(total_tokens / total_s)
-                tokens[mode, name] = ids
-                print(f"  rep {rep}: {mode} {name} {speeds[mode, name][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+                    acc = done[mode, name]
+                    acc[0] += r.generated - 1
+                    acc[1] += r.decode_s
+                    acc[2].append(r.token_ids)
+        for key, (n, seconds, ids) in done.items():
+            speeds[key].append(n / seconds)
+            tokens[key] = ids
+        print(f"  rep {rep}: " + ", ".join(f"{m}/{s} {speeds[m, s][-1]:.1f}" for m, s in speeds), file=sys.stderr,
+              flush=True)
     out = {"model": engine.name, "tokens": args.tokens, "reps": args.reps, "rows": []}
     print(f"{engine.name}: decode tok/s, median of {args.reps} (greedy, {len(prompts)} prompts x {args.tokens} tokens)")
     for mode in modes:
