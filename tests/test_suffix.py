@@ -67,3 +67,16 @@ def test_greedy_output_identical_with_the_index_on_many_prompts():
         assert_same_greedy(engine.model, ids + base.token_ids[:3], want.token_ids, res.token_ids, f"prompt {i}")
         used = engine.drafter("lookup").from_history
     assert used > 0 and len(engine.suffix_index) > 0
+
+
+def test_no_suffix_drafts_leaves_lookup_to_the_context():
+    from engine import modes
+    from engine.cli import build_parser
+
+    assert build_parser("serve").parse_args(["serve", "--no-suffix-drafts"]).no_suffix_drafts
+    assert not build_parser("generate").parse_args(["generate"]).no_suffix_drafts
+    engine = make_tiny_engine("llama", seed=0)
+    assert modes.make_drafter(engine, "lookup").history is engine.suffix_index is not None
+    engine.suffix_index = None  # what load_engine does with --no-suffix-drafts
+    assert modes.make_drafter(engine, "lookup").history is None
+    engine.generate([5, 6, 7], mode="lookup", max_new_tokens=4)  # and nothing is recorded

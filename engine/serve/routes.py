@@ -12,11 +12,11 @@ import queue
 import time
 from typing import Any, Callable, Iterator
 
-from engine.serve import anthropic as anthropic_api
-from engine.serve import openai as openai_api
 from engine.errors import TandemError
 from engine.prefix_cache import turn_boundary
 from engine.processors import Processing
+from engine.serve import anthropic as anthropic_api
+from engine.serve import openai as openai_api
 from engine.serve.chat_format import (GenSpec, OutputParser, Reply, RequestError, matched_stop, new_id,
                                       opens_thinking, render_chat, unread_template_kwargs)
 from engine.serve.http import ClientGone, RequestHandler

@@ -103,8 +103,8 @@ class EngineWorker(threading.Thread):
 
         def on_round(ev: Any) -> None:
             if events.active:
-                events.publish({"type": "round", "id": job.id,
-                                **{k: v for k, v in dataclasses.asdict(ev).items() if k != "logprobs"}})
+                events.publish({"type": "round", "id": job.id,  # a round's logprobs are the reply's, not telemetry
+                                **{f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "logprobs"}})
 
         def progress(done: int, total: int) -> None:
             if job.cancel.is_set():  # a long prefill stops between chunks
