@@ -21,7 +21,15 @@ from typing import Sequence
 MIN_NGRAM = 3
 MAX_CANDIDATES = 8  # most recent occurrences examined per lookup
 MAX_MATCH = 64
-DEFAULT_BUDGET_TOKENS = 1 << 20  # about 4 MiB of ids, plus the n-gram postings
+DEFAULT_BUDGET_TOKENS = 1 << 18  # about 30 MiB of Python ints with their postings
+
+
+def _key(ngram: Sequence[int]) -> int:
+    """An n-gram as one int (ids below 2**21: every vocabulary we load)."""
+    key = 0
+    for t in ngram:
+        key = (key << 21) | t
+    return key
 
 
 class SuffixIndex:
@@ -29,7 +37,7 @@ class SuffixIndex:
         self.budget_tokens = budget_tokens
         self.ngram = ngram
         self._seqs: OrderedDict[int, list[int]] = OrderedDict()  # least recently used first
-        self._postings: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)  # n-gram -> (seq, next pos)
+        self._postings: dict[int, list[int]] = defaultdict(list)  # n-gram key -> seq << 32 | position after it
         self._stale = 0  # postings of dropped sequences (pruned by a rebuild once they outnumber the rest)
         self._next = 0
         self.tokens = 0
@@ -44,17 +52,17 @@ class SuffixIndex:
         if len(tokens) <= self.ngram:
             return
         for sid, seq in list(self._seqs.items()):
-            if len(seq) <= len(tokens) and tokens[: len(seq)] == seq:  # this one extends it
-                self._drop(sid)
-            elif tokens == seq[: len(tokens)]:  # already known
+            if seq[0] != tokens[0]:
+                continue
+            if len(seq) <= len(tokens) and tokens[len(seq) - 1] == seq[-1] and tokens[: len(seq)] == seq:
+                self._drop(sid)  # this one extends it
+            elif len(seq) > len(tokens) and tokens == seq[: len(tokens)]:  # already known
                 self._seqs.move_to_end(sid)
                 return
         sid, self._next = self._next, self._next + 1
         self._seqs[sid] = tokens
         self.tokens += len(tokens)
-        n = self.ngram
-        for end in range(n, len(tokens)):
-            self._postings[tuple(tokens[end - n: end])].append((sid, end))
+        self._post(sid, tokens)
         while self.tokens > self.budget_tokens and len(self._seqs) > 1:
             self._drop(next(iter(self._seqs)))
             self.evictions += 1
@@ -66,12 +74,18 @@ class SuffixIndex:
         if self._stale > self.tokens:
             self._rebuild()
 
+    def _post(self, sid: int, seq: list[int]) -> None:
+        keys = list(seq)  # keys[i]: the n-gram starting at i, packed as ``_key`` does
+        for k in range(1, self.ngram):
+            keys = [(key << 21) | t for key, t in zip(keys, seq[k:])]
+        postings, base = self._postings, sid << 32
+        for end, key in zip(range(self.ngram, len(seq)), keys):  # n-grams with a token after them
+            postings[key].append(base | end)
+
     def _rebuild(self) -> None:
         self._postings.clear()
-        n = self.ngram
         for sid, seq in self._seqs.items():
-            for end in range(n, len(seq)):
-                self._postings[tuple(seq[end - n: end])].append((sid, end))
+            self._post(sid, seq)
         self._stale = 0
 
     def match(self, context: Sequence[int], limit: int = MAX_MATCH) -> tuple[list[int], int]:
@@ -82,7 +96,8 @@ class SuffixIndex:
             return [], 0
         best: tuple[list[int], int, int] = ([], 0, 0)
         seen = 0
-        for sid, pos in reversed(self._postings.get(tuple(context[-n:]), ())):
+        for posting in reversed(self._postings.get(_key(context[-n:]), ())):
+            sid, pos = posting >> 32, posting & 0xFFFFFFFF
             seq = self._seqs.get(sid)
             if seq is None or pos >= len(seq):
                 continue
