@@ -93,8 +93,13 @@ class Sampler:
         ``ids`` + the first tokens of ``tail`` (``LogitsProcessor.rows``). Drafters never call it."""
         return logits if self.processor is None else self.processor.rows(logits, ids, tail)
 
-    def logprobs(self, rows: mx.array, tokens: mx.array) -> tuple[mx.array, ...] | None:
-        """Lazy logprobs of ``tokens`` under processed ``rows`` (None when not asked for)."""
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.processor is not None and self.processor.wants_logprobs
+
+    def logprobs(self, rows: mx.array, tokens: Sequence[int]) -> list | None:
+        """Each token's logprob (``engine.processors.TokenLogprob``) under processed ``rows``;
+        None when the request asks for none."""
         return None if self.processor is None else self.processor.logprobs(rows, tokens)
 
     def pick(self, logits: mx.array) -> mx.array:

@@ -40,7 +40,6 @@ from typing import Callable, Iterator, Protocol, Sequence
 import mlx.core as mx
 
 from engine.drafters.base import Drafter, DrafterState
-from engine.processors import read_logprobs
 from engine.sampling import Sampler, accept_greedy, accept_sampled
 from engine.target import Target
 
@@ -186,7 +185,6 @@ def decode(
     ids = stats.ids
     row = sampler.process(logits, ids)
     first = sampler.pick(row)
-    first_logprobs = sampler.logprobs(row, first)
     ids.append(first.item())
     stats.prefill_s = clock() - t0
     t_start = clock()
@@ -217,7 +215,7 @@ def decode(
 
     if max_new_tokens <= 0:
         return
-    out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=read_logprobs([ids[-1]], first_logprobs))
+    out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=sampler.logprobs(row, [ids[-1]]))
     yield out, event
     if done:
         return
@@ -282,7 +280,7 @@ def decode(
         else:
             n, committed = accept_sampled(drafts, draft.probs if k else None, logits, sampler)
         txn.commit(n + 1)
-        logprobs = read_logprobs(committed, sampler.logprobs(logits[: n + 1], mx.array(committed)))
+        logprobs = sampler.logprobs(logits[: n + 1], committed)
         t_end = clock()
         ids.extend(committed)
         stats.cache_len = len(ids) - 1  # all but the new anchor
@@ -344,17 +342,16 @@ def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n:
         logits, hidden = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True, tap=tap)
         row = sampler.process(logits[-1], ids, token if in_flight else None)  # after ids (+ the token in flight)
         nxt = sampler.pick(row)
-        logprobs = sampler.logprobs(row, nxt)
-        mx.async_eval(nxt, *([hidden] if hidden is not None else []), *(logprobs or ()))
-        return nxt, hidden, logprobs
+        mx.async_eval(nxt, *([hidden] if hidden is not None else []), *([row] if sampler.wants_logprobs else []))
+        return nxt, hidden, row
 
-    y, hidden, logprobs = queue(mx.array(ids[-1]), False)
+    y, hidden, row = queue(mx.array(ids[-1]), False)
     for i in range(n):
         following = queue(y, True) if i + 1 < n and not (stop is not None and stop()) else None
         ids.append(y.item())
         stats.cache_len = len(ids) if following is not None else len(ids) - 1  # a queued forward fed y
-        out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=read_logprobs([ids[-1]], logprobs))
+        out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=sampler.logprobs(row, [ids[-1]]))
         yield out, event, done, hidden
         if done or following is None:
             return
-        y, hidden, logprobs = following
+        y, hidden, row = following

@@ -110,7 +110,8 @@ def test_completion_logprobs_legacy_shape(think):
     ("/v1/chat/completions", {"repetition_penalty": 0}, "'repetition_penalty' must be greater than 0",
      "repetition_penalty"),
     ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "'logit_bias' keys must be token ids", "logit_bias"),
-    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "must be between -100 and 100", "5"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "values must be numbers between -100 and 100",
+     "logit_bias"),
     ("/v1/chat/completions", {"logit_bias": {"99999": 1}}, "not in the vocabulary", "logit_bias"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "cannot set \"messages\"",
      "chat_template_kwargs"),
@@ -281,3 +282,16 @@ def test_server_turns_with_thinking_off_hit_the_prefix_cache():
         assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens - 2
     finally:
         srv.stop()
+
+
+def test_cli_generate_with_penalties_logprobs_and_no_thinking(capsys):
+    from engine.cli import main
+
+    assert main(["generate", "--mode", "lookup", "--prompt", "Say hello.", "--max-new-tokens", "6", "--logprobs", "2",
+                 "--presence-penalty", "0.5", "--repetition-penalty", "1.1", "--logit-bias", "28:-100",
+                 "--no-thinking", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "chat template has no enable_thinking switch" in out.err  # the starter's ChatML template
+    lines = [line for line in out.err.splitlines() if " | " in line and line.startswith(("'", '"'))]
+    assert len(lines) == json.loads(out.out.splitlines()[-1])["tokens"]
+    assert all(len(line.split(" | ")[1].split("=")) == 3 for line in lines)  # two alternatives each

@@ -464,11 +464,14 @@ def processing_options(body: dict, spec: GenSpec) -> None:
         raise RequestError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias pairs",
                            param="logit_bias")
     spec.logit_bias = {}
-    for key in bias:
+    for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
             raise RequestError(f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}", param="logit_bias")
-        spec.logit_bias[int(key)] = opt_number(bias, key, lo=-100, hi=100)
-    spec.logit_bias = {k: v for k, v in spec.logit_bias.items() if v is not None} or None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"'logit_bias' values must be numbers between -100 and 100, got {json.dumps(value)[:40]} "
+                               f"for token {key}", param="logit_bias")
+        spec.logit_bias[int(key)] = float(value)
+    spec.logit_bias = spec.logit_bias or None
 
 
 # Arguments apply_chat_template takes itself: a request may not set them through the template's kwargs.
