@@ -21,10 +21,13 @@ Definitions (vLLM's, which follow OpenAI's API; applied in this order):
 mlx-lm's processors use the same formulas over the last 20 tokens of prompt + output instead.
 
 Logprobs are the log-softmax of the processed logits, before temperature and top-k/top-p: the
-distribution the request's penalties and bias define, the same number whatever the sampling
-settings. That is OpenAI's convention (a token's logprob does not move with ``temperature``) and
-vLLM's default (its logprobs ignore temperature and truncation); a token outside the nucleus
-keeps a finite logprob. The chosen token's logprob comes with the ``top`` most likely tokens.
+distribution the request's penalties and bias define, the same numbers whatever the sampling
+settings (greedy and sampled requests report alike; a token outside the nucleus keeps a finite
+logprob). Why: OpenAI's logprobs do not move with ``temperature``, and the brief of the API is
+"how likely was this token": a banned (-100) token must read as improbable. vLLM reports the raw
+model's logprobs by default (before penalties too) and offers processed ones (after temperature)
+as an option; ours sit between, at the distribution the request chose before the sampler's
+shaping. The chosen token's logprob comes with the ``top`` most likely tokens.
 """
 
 from __future__ import annotations

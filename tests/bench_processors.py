@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--modes", default="baseline,lookup")
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"a subset of {', '.join(SETTINGS)} (none first)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the prompts to run")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--isolated", action="store_true", help="time a forward and the processing alone")
@@ -127,17 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     engine.configure_prefix_cache(False)  # every run prefills: decode speed only is compared
     engine.suffix_index = None  # and lookup drafts from the context alone (not from the earlier runs)
     modes = args.modes.split(",")
+    settings = {name: SETTINGS[name] for name in args.settings.split(",")}
     for mode in modes:  # warm the shapes once
         engine.generate(PROMPTS[0], mode=mode, max_new_tokens=16)
-    speeds = {(m, s): [] for m in modes for s in SETTINGS}
-    cpu_speeds = {(m, s): [] for m in modes for s in SETTINGS}
+    speeds = {(m, s): [] for m in modes for s in settings}
+    cpu_speeds = {(m, s): [] for m in modes for s in settings}
     tokens = {}
     prompts = PROMPTS[: args.prompts]
     for rep in range(args.reps):
         done = {key: [0, 0.0, 0.0, []] for key in speeds}  # tokens, decode seconds, CPU seconds, token ids
         for prompt in prompts:  # settings interleaved per prompt: a busy machine slows them alike
             for mode in modes:
-                for name, kw in SETTINGS.items():
+                for name, kw in settings.items():
                     cpu = time.process_time()
                     r = engine.generate(prompt, mode=mode, max_new_tokens=args.tokens, **kw)
                     acc = done[mode, name]
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         base = statistics.median(speeds[mode, "none"])
         cpu_base = statistics.median(cpu_speeds[mode, "none"])
-        for name in SETTINGS:
+        for name in settings:
             tps, cpu_tps = statistics.median(speeds[mode, name]), statistics.median(cpu_speeds[mode, name])
             same = tokens[mode, name] == tokens[mode, "none"]
             print(f"  {mode:9s} {name:15s} {tps:8.1f} tok/s x{tps / base:.3f} | {cpu_tps:7.2f} tok/CPU-s "

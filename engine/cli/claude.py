@@ -14,9 +14,9 @@ served model: the server answers every model name), CLAUDE_CODE_DISABLE_NONESSEN
 long system prompt can take minutes on a CPU). No file or setting is changed.
 
 ``--print-settings`` prints the same variables as a project-scoped ``.claude/settings.local.json``
-block (``{"env": {...}}``; Claude Code applies it over its environment and keeps that file out of
-git): the provider switches found in this shell are set empty there, since the file cannot unset
-them. It carries the server's key when one is given, so the file is as secret as the key.
+block (``{"env": {...}}``: Claude Code's personal per-project settings, applied over its
+environment): the provider switches found in this shell are set empty there, since the file
+cannot unset them. It carries the server's key when one is given: keep the file out of git.
 
 Prompts must stay on this machine, so the child gets none of the variables that make Claude Code
 use another provider or transport (they take precedence over ANTHROPIC_BASE_URL): the provider

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.processors import MAX_TOP_LOGPROBS
 from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
                                       processing_options, set_thinking, str_list, tandem_options, template_options)
 
 # Fields clients send that change nothing here when left at their defaults.
 _NEUTRAL = {"reasoning_effort": None}
-MAX_TOP_LOGPROBS = 20
 
 
 def _text_content(content: Any, where: str) -> str:
