@@ -82,7 +82,7 @@ class Conversation:
     created: float = 0.0
     updated: float = 0.0
     system_prompt: str = ""
-    settings: dict = field(default_factory=dict)  # mode, temperature, top_p, top_k, max_tokens, seed
+    settings: dict = field(default_factory=dict)  # mode, temperature, top_p, top_k, max_tokens, seed, thinking
     messages: list[Message] = field(default_factory=list)
 
     @property

@@ -21,8 +21,21 @@ HISTORY_FILE = "conversations.sqlite3"
 DEFAULT_SERVE_PORT = 8080  # tandem serve's
 
 # Sampling and mode for a new conversation until the user saves their own defaults.
-SAMPLING_DEFAULTS = {"mode": "auto", "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 1024, "seed": -1}
-SAMPLING_TYPES = {"mode": str, "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int}
+SAMPLING_DEFAULTS = {"mode": "auto", "temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 1024, "seed": -1,
+                     "thinking": True}
+
+
+def _flag(value: Any) -> bool:
+    """A bool from JSON (true/false) or QSettings (which may hand back "true"/"false" strings)."""
+    if isinstance(value, str):
+        if value.strip().lower() not in ("true", "false", "1", "0"):
+            raise ValueError(value)
+        return value.strip().lower() in ("true", "1")
+    return bool(value)
+
+
+SAMPLING_TYPES = {"mode": str, "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "seed": int,
+                  "thinking": _flag}  # thinking: the chat template's enable_thinking, where it has the switch
 
 
 def data_dir() -> Path:

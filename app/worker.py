@@ -134,6 +134,7 @@ class EngineWorker(QObject):
         from mlx.utils import tree_flatten
 
         from engine.roofline import active_weight_bytes, kv_profile
+        from engine.serve.chat_format import template_reads
 
         loaded = getattr(eng, "loaded", None)
         flat = tree_flatten(eng.model.parameters())
@@ -151,6 +152,7 @@ class EngineWorker(QObject):
             "chat_template": bool(getattr(eng.tokenizer, "chat_template", None)),
             "takes_images": bool(getattr(eng, "takes_images", False)),
             "images_note": eng.image_refusal() if hasattr(eng, "image_refusal") else "",
+            "thinking_switch": template_reads(eng.tokenizer, "enable_thinking"),
             "can_rollback": eng.target.speculation_blocker() is None,
             "mode_support": _mode_support(eng),
             **_auto_choice(eng),
@@ -206,18 +208,23 @@ class EngineWorker(QObject):
         return "\n".join(m["content"] for m in prompt), False
 
     def _generation(self, label: str, key: Any, params: dict, on_text: Callable[[str], None],
-                    started: Callable[[str, int], None] | None = None) -> Generation:
+                    started: Callable[[str, int], None] | None = None, use_template: bool = True) -> Generation:
         from engine.detokenize import StreamingDetokenizer
+        from engine.serve.chat_format import template_reads
 
         detok = StreamingDetokenizer(self.engine.tokenizer)
-        return Generation(self.engine, detok, self.bridge.telemetry, label, key, params, on_text, started)
+        run = Generation(self.engine, detok, self.bridge.telemetry, label, key, params, on_text, started)
+        thinking = params.get("thinking")  # the chat header's Think toggle, for templates with the switch
+        if use_template and thinking is not None and template_reads(self.engine.tokenizer, "enable_thinking"):
+            run.kwargs["template_kwargs"] = {"enable_thinking": bool(thinking)}
+        return run
 
     def _stream(self, rid: int, prompt: Any, params: dict, label: str, on_text: Callable[[str], None],
                 started: Callable[[str, int], None] | None = None, prefix_cache: bool = True,
                 key: Any = None) -> dict:
         """Run one generation on the current engine; returns the result as a plain dict."""
         prompt, use_template = self._prompt_for(prompt)
-        run = self._generation(label, key, params, on_text, started)
+        run = self._generation(label, key, params, on_text, started, use_template)
 
         def prefill_progress(done: int, total: int) -> None:
             if self.bridge.is_cancelled(rid):  # Stop or closing during a long prompt: end after this chunk
@@ -268,7 +275,8 @@ class EngineWorker(QObject):
         text, use_template = self._prompt_for(prompt)
         run = self._generation(f"chat | {params.get('mode', 'auto')}", ("chat", rid), params,
                                on_text=lambda piece: b.gen_text.emit(rid, piece),
-                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}))
+                               started=lambda mode, n: b.gen_started.emit(rid, {"mode": mode, "prompt_tokens": n}),
+                               use_template=use_template)
 
         def on_chunk(chunk: Any) -> None:
             run.add(chunk)

@@ -58,6 +58,7 @@ class BatchRow:
     resume: Resume | None = None
     on_prefill: Callable[[int, list], None] | None = None
     embeddings: Callable[[int, int], mx.array | None] | None = None  # an image prompt's (Target.prompt_embeddings)
+    prefill_stops: Sequence[int] = ()  # prompt positions where a prefill chunk must end (prefix-cache marks)
     stats: DecodeStats = field(default_factory=DecodeStats)
     key: object = None  # the caller's handle (a request)
     # state
@@ -168,7 +169,8 @@ class BatchLoop:
             self._prefilled(row)
         n = len(row.prompt_ids)
         if row.prefilled < n:
-            end = min(n, (row.prefilled // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+            end = min([n, (row.prefilled // PREFILL_CHUNK + 1) * PREFILL_CHUNK]
+                      + [stop for stop in row.prefill_stops if stop > row.prefilled])
             with target.prompt_embeddings(row.embeddings):
                 logits, hidden = target.prefill(row.prompt_ids[row.prefilled:end], row.cache, tap=row.tap,
                                                 offset=row.prefilled)
@@ -182,7 +184,8 @@ class BatchLoop:
         else:  # the whole prompt was restored, with the row after it
             logits = row.resume.logits
         stats.prompt_logits = logits
-        row.stats.ids.append(row.sampler.pick(logits).item())
+        processed = row.sampler.process(logits, stats.ids)
+        stats.ids.append(row.sampler.pick(processed).item())
         stats.prefill_s = self.clock() - row.t_start
         hidden = mx.concatenate(row.hidden_parts, axis=0) if row.hidden_parts else None
         row.hidden_parts = []
@@ -193,7 +196,7 @@ class BatchLoop:
                 row.drafter.begin(row.prompt_ids, hidden)
             stats.drafter_ready = True
         row.t_start = row.t_last = self.clock()
-        return self._emit(row, [stats.ids[-1]], 0, 0, 0)
+        return self._emit(row, [stats.ids[-1]], 0, 0, 0, logprobs=row.sampler.logprobs(processed, [stats.ids[-1]]))
 
     def _prefilled(self, row: BatchRow) -> None:
         row.stats.cache_len = row.prefilled
@@ -222,16 +225,17 @@ class BatchLoop:
         self.last_width = len(rows)
         out = []
         for b, (row, (cap, drafts, draft), txn) in enumerate(zip(rows, plans, txns)):
-            k = len(drafts)
+            k, ids = len(drafts), row.stats.ids
+            rows_k = row.sampler.process(logits[b, : k + 1], ids, verify[b, 1 : k + 1])  # row i after ids + drafts[:i]
             if k == 0:
-                committed, n = [row.sampler.pick(logits[b, 0]).item()], 0
+                committed, n = [row.sampler.pick(rows_k[0]).item()], 0
             elif row.sampler.greedy:
-                n, committed = accept_greedy(verify[b, 1 : k + 1], logits[b, : k + 1])
+                n, committed = accept_greedy(verify[b, 1 : k + 1], rows_k)
             else:
-                n, committed = accept_sampled(verify[b, 1 : k + 1], draft.probs, logits[b, : k + 1], row.sampler)
+                n, committed = accept_sampled(verify[b, 1 : k + 1], draft.probs, rows_k, row.sampler)
             txn.commit(n + 1)
+            logprobs = row.sampler.logprobs(rows_k[: n + 1], committed)
             row.forwards += 1
-            ids = row.stats.ids
             ids.extend(committed)
             row.stats.cache_len = len(ids) - 1
             if row.drafter is not None:
@@ -239,7 +243,7 @@ class BatchLoop:
                 row.drafter.commit(ids, len(committed), row_hidden)
             t_end = self.clock()
             source = (draft.source or row.drafter.name) if k else ""
-            out.append(self._emit(row, committed, k, n, cap, t_verify - t_round, t_end - t_verify, source))
+            out.append(self._emit(row, committed, k, n, cap, t_verify - t_round, t_end - t_verify, source, logprobs))
             now = self.clock()
             row.cap_policy.observe(k, n, now - row.t_last)
             row.t_last = now
@@ -288,7 +292,8 @@ class BatchLoop:
         return draft.tokens.tolist(), draft
 
     def _emit(self, row: BatchRow, tokens: list[int], drafted: int, accepted: int, cap: int,
-              draft_s: float = 0.0, verify_s: float = 0.0, drafted_by: str = "") -> Emitted:
+              draft_s: float = 0.0, verify_s: float = 0.0, drafted_by: str = "", logprobs: list | None = None
+              ) -> Emitted:
         stats = row.stats
         out, reason = stop_block(tokens, row.eos_ids, row.generated, row.max_new_tokens)
         if reason is not None:
@@ -299,5 +304,5 @@ class BatchLoop:
         stats.target_forwards = row.forwards
         event = RoundEvent(len(stats.rounds) - 1, self.clock() - row.t_start, drafted, accepted, len(out), cap,
                            len(row.prompt_ids) + row.generated, row.generated, draft_s, verify_s, row.mode,
-                           drafted_by)
+                           drafted_by, None if logprobs is None else logprobs[: len(out)])
         return Emitted(row, out, event, reason is not None)

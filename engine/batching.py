@@ -72,7 +72,8 @@ class Batcher:
                        drafter=plan.drafter.fork() if plan.drafter is not None else None,
                        cap_policy=plan.cap_policy, eos_ids=out.eos, mode=plan.mode,
                        resume=prefix.resume if prefix else None, on_prefill=prefix.on_prefill if prefix else None,
-                       embeddings=plan.image.embeddings if plan.image is not None else None, stats=out.stats)
+                       embeddings=plan.image.embeddings if plan.image is not None else None,
+                       prefill_stops=out.prefill_stops, stats=out.stats)
         ticket = Ticket(out, row, on_chunk, cancel, on_error)
         if on_chunk is None:
             ticket.on_chunk = ticket.chunks.append

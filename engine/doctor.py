@@ -179,6 +179,13 @@ def _prefix_cache_row() -> str:
             f"{size / 2**20:.0f} MiB)")
 
 
+def _suffix_drafts_row() -> str:
+    from engine.drafters.suffix import DEFAULT_BUDGET_TOKENS
+
+    return (f"on: lookup also drafts from earlier requests' prompts and outputs (in memory, "
+            f"{DEFAULT_BUDGET_TOKENS:,} tokens, least recently used dropped); --no-suffix-drafts turns it off")
+
+
 def _hf_cache_row() -> str:
     from huggingface_hub import constants
 
@@ -212,6 +219,7 @@ _PROBES: list[tuple[str, Callable[[], str]]] = [
     ("Built-in models", _starter_row),
     ("Converted cache", _cache_row),
     ("Prefix cache", _prefix_cache_row),
+    ("Suffix drafts", _suffix_drafts_row),
     ("HF cache", _hf_cache_row),
 ]
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine import modes
 from engine.detokenize import StopMatcher, StreamingDetokenizer
 from engine.drafters.base import Drafter
+from engine.drafters.suffix import SuffixIndex
 from engine.errors import TandemError
 from engine.prefix_cache import PrefixCache, fingerprint
+from engine.prefix_cache import turn_boundary as prefix_turn_boundary
+from engine.processors import LogitsProcessor, Processing, TokenLogprob
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
 from engine.target import Target
@@ -46,6 +49,7 @@ class GenerationResult:
     caps: list[int] = field(default_factory=list)  # the cap of each round (0: a plain step)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     batch_width: int = 1  # the most requests it shared a target forward with (itself included)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
     @property
     def generated(self) -> int:
@@ -107,6 +111,7 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     event: RoundEvent | None = None
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass
@@ -124,6 +129,8 @@ class RequestPlan:
     stop: tuple[str, ...] = ()
     store: PrefixCache | None = None  # the prefix cache to restore from and keep into
     image: Any = None  # engine.vision.ImagePrompt: its embeddings enter the prefill; keyed by its images
+    turn_boundary: int | None = None  # prompt tokens the next turn of this chat shares (a snapshot there)
+    logprobs: bool = False  # the request asked for logprobs (the sampler computes them)
 
     @property
     def cache_key(self) -> list[int]:
@@ -150,8 +157,10 @@ class RequestOutput:
         self.t_first: float | None = None
         self.stopped = False
         self.batch_width = 1  # the most rows it shared a forward with (itself included)
-        store = plan.store
-        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.cache_key) if store is not None else None
+        self.logprobs: list[TokenLogprob] | None = [] if plan.logprobs else None
+        store, boundary = plan.store, [plan.turn_boundary] if plan.turn_boundary else ()
+        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.cache_key, boundary) if store is not None else None
+        self.prefill_stops = self.prefix_plan.stops if self.prefix_plan is not None else ()
 
     def feed(self, new: list[int], event: RoundEvent) -> tuple[list[Chunk], bool]:
         """One round's tokens -> its chunk; True when a stop string ended the request."""
@@ -160,6 +169,8 @@ class RequestOutput:
             self.t_first = now
         self.tokens.extend(new)
         self.times.extend([now - self.t0] * len(new))
+        if self.logprobs is not None:
+            self.logprobs.extend(event.logprobs or ())
         if self.on_round is not None:
             self.on_round(event)
         text, self.stopped = self.stops.feed(self.detok.add(new))
@@ -167,7 +178,11 @@ class RequestOutput:
             self.stats.finish_reason = "stop"
             self.tokens = self.engine._tokens_before_stop(self.tokens, self.detok.text, self.plan.stop)
             self.times = self.times[: len(self.tokens)]
-        return [Chunk(text, new, event)], self.stopped
+        new_logprobs = None
+        if self.logprobs is not None:  # this round's, up to the stop string's cut
+            new_logprobs = self.logprobs[len(self.logprobs) - len(new): len(self.tokens)]
+            del self.logprobs[len(self.tokens):]
+        return [Chunk(text, new, event, logprobs=new_logprobs)], self.stopped
 
     def remember(self, drafter: Drafter | None) -> None:
         """Keep what the target's caches hold for the prefix cache (after the last round)."""
@@ -193,7 +208,9 @@ class RequestOutput:
             text=full_text, token_ids=self.tokens, mode=plan.mode, prompt_tokens=len(plan.prompt_ids),
             rounds=stats.rounds, prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
             finish_reason=stats.finish_reason, cap=plan.cap_label, token_times=self.times, note=plan.note,
-            caps=stats.caps, cached_tokens=stats.cached_tokens, batch_width=self.batch_width))
+            caps=stats.caps, cached_tokens=stats.cached_tokens, batch_width=self.batch_width, logprobs=self.logprobs))
+        if self.engine.suffix_index is not None:  # what this request saw and wrote, for later requests' drafts
+            self.engine.suffix_index.add(list(plan.prompt_ids) + self.tokens)
         if plan.store is not None:
             plan.store.flush()  # the disk tier's write, once the reply is out
 
@@ -234,6 +251,7 @@ class Engine:
         if self.vision is None:
             return f"{self.name} takes no images (a text-only model)"
         return None if self.vision.takes_images else f"{self.name} takes no images here: {self.vision.refused}"
+        self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on
@@ -261,14 +279,18 @@ class Engine:
             self.prefix_cache.clear()
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, *, chat_template: bool = True, system: str | None = None,
+               template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a prompt; text and messages go through the chat template (with
+        ``template_kwargs``, e.g. ``{"enable_thinking": False}``) when the tokenizer has one."""
+        kwargs = dict(template_kwargs or {})
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise TandemError("empty prompt: give some text to continue")
             if chat_template and getattr(self.tokenizer, "chat_template", None):
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}]
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
             return list(self.tokenizer.encode(prompt))
         prompt = list(prompt)
         if not prompt:
@@ -276,8 +298,23 @@ class Engine:
         if isinstance(prompt[0], dict):
             if not getattr(self.tokenizer, "chat_template", None):
                 raise TandemError(f"{self.name} has no chat template; pass plain text instead of messages")
-            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+            return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs))
         return [int(t) for t in prompt]
+
+    def _turn_boundary(self, prompt: Prompt, prompt_ids: list[int], chat_template: bool, system: str | None,
+                       template_kwargs: Mapping[str, Any] | None) -> int | None:
+        """For a chat prompt (messages, or text through the template): where its next turn departs."""
+        if not chat_template or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        if isinstance(prompt, str):
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        elif prompt and isinstance(prompt[0], dict):
+            messages = list(prompt)
+        else:
+            return None
+        kwargs = dict(template_kwargs or {})
+        return prefix_turn_boundary(
+            lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=False, **kwargs), messages, prompt_ids)
 
     # -- drafters ---------------------------------------------------------------------------
     def resolve_mode(self, mode: str) -> str:
@@ -339,22 +376,41 @@ class Engine:
         prefix_cache: bool = True,
         images: Sequence[Any] = (),
         image_prompt: Any = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        turn_boundary: int | None = None,
     ) -> "RequestPlan":
         """Resolve a request once into what decoding it takes: the prompt's ids, the mode, the
-        drafter, the cap policy and the sampler. A bad setting raises ``TandemError`` here,
-        before any decoding.
+        drafter, the cap policy and the sampler (with the request's logits processing). A bad
+        setting raises ``TandemError`` here, before any decoding.
 
         ``images`` (engine.images.Image) go with a text prompt, before its text; chat messages
         carry theirs as {"type": "image", "image": Image} content parts (engine/vision.py).
         ``image_prompt``: an ``engine.vision.ImagePrompt`` rendered already (the server's); it
-        replaces ``prompt``."""
+        replaces ``prompt``. Penalties and ``logit_bias`` change the distribution sampled from
+        (speculation stays on and lossless); ``logprobs``: None, or how many top alternatives to
+        report with each token's logprob (0..20) in ``Chunk.logprobs`` / ``GenerationResult.logprobs``.
+        Their definitions: ``engine/processors.py``. ``turn_boundary``: how many prompt tokens the
+        next turn of this chat will share (``prefix_cache.turn_boundary``; found here for messages)."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
-        sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
+        processing = Processing(presence_penalty, frequency_penalty, repetition_penalty, dict(logit_bias or {}),
+                                logprobs).validate(self.target.vocab_size)
+        params = SamplingParams(temperature, top_p, top_k, seed)
         image = image_prompt
         if image is None and (images or _has_images(prompt)):
             image = self._image_prompt(prompt, images, system)
-        prompt_ids = image.ids if image is not None else self.encode(prompt, chat_template=chat_template, system=system)
+        if image is not None:
+            prompt_ids = image.ids
+        else:
+            prompt_ids = self.encode(prompt, chat_template=chat_template, system=system, template_kwargs=template_kwargs)
+            if turn_boundary is None and prefix_cache and self.prefix_cache is not None:
+                turn_boundary = self._turn_boundary(prompt, prompt_ids, chat_template, system, template_kwargs)
+        sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
@@ -370,9 +426,13 @@ class Engine:
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
         else:
             cap_label = getattr(cap_policy, "label", "custom")
+        # Drafts change which random draws a sampled round makes: a seeded sample must not depend
+        # on what earlier requests left in the suffix index (greedy output never depends on drafts).
+        _use_history(drafter, params.greedy or seed is None)
         return RequestPlan(prompt_ids=prompt_ids, mode=mode, drafter=drafter, sampler=sampler,
                            cap_policy=cap_policy, cap_label=cap_label, note=note, max_new_tokens=max_new_tokens,
-                           stop=tuple(stop), store=self.prefix_cache if prefix_cache else None, image=image)
+                           stop=tuple(stop), store=self.prefix_cache if prefix_cache else None, image=image,
+                           turn_boundary=turn_boundary, logprobs=processing.logprobs is not None)
 
     def stream(
         self,
@@ -390,7 +450,7 @@ class Engine:
         steps = decode(self.target, plan.drafter, plan.prompt_ids, plan.sampler, max_new_tokens=plan.max_new_tokens,
                        eos_ids=out.eos, cap_policy=plan.cap_policy, stats=out.stats, mode=plan.mode,
                        prefill_progress=prefill_progress, resume=prefix.resume if prefix else None,
-                       on_prefill=prefix.on_prefill if prefix else None)
+                       on_prefill=prefix.on_prefill if prefix else None, prefill_stops=out.prefill_stops)
         if plan.image is not None:
             steps = _prefilled_with(self.target, plan.image.embeddings, steps)
         try:
@@ -485,6 +545,13 @@ def _prefilled_with(target: Target, embeddings: Callable[[int, int], Any], steps
         yield from steps
     finally:
         steps.close()
+
+
+def _use_history(drafter: Drafter | None, on: bool) -> None:
+    """Let a lookup drafter (alone or behind a model drafter) draft from earlier requests, or not."""
+    for d in (drafter, getattr(drafter, "lookup", None)):
+        if hasattr(d, "use_history"):
+            d.use_history = on
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:

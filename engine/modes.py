@@ -22,7 +22,7 @@ def make_drafter(engine: EngineLike, mode: str) -> Drafter | None:
     if mode == "lookup":
         from engine.drafters.lookup import LookupDrafter
 
-        return LookupDrafter()
+        return LookupDrafter(history=getattr(engine, "suffix_index", None))  # drafts from earlier requests too
     if mode == "draft":
         if not engine.draft_model_spec:
             raise TandemError("mode 'draft' needs a draft model (--draft-model): a small model sharing the target's tokenizer")
@@ -79,9 +79,10 @@ def _behind_lookup(engine: EngineLike, drafter: Drafter, row: dict | None) -> Dr
     if lookup_first is None:  # the registry row's measured choice for this pair
         lookup_first = bool(row and row.get("lookup_first"))
     if lookup_first:
+        from engine.drafters.lookup import LookupDrafter
         from engine.drafters.lookup_first import LookupFirst
 
-        return LookupFirst(drafter)
+        return LookupFirst(drafter, LookupDrafter(history=getattr(engine, "suffix_index", None)))
     return drafter
 
 

@@ -60,6 +60,8 @@ def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="also keep prefixes on disk, across restarts (default folder: ~/.cache/tandem/prefix)")
     p.add_argument("--prefix-cache-disk-mb", type=float, default=None, metavar="MB",
                    help="size cap of the disk tier (default 4096)")
+    p.add_argument("--no-suffix-drafts", action="store_true",
+                   help="n-gram lookup drafts from the current context only, not from earlier requests")
 
 
 def parse_max_draft(value: str) -> int | str:
@@ -110,6 +112,8 @@ def load_engine(args: argparse.Namespace) -> "Engine":
             disk = str(default_dir())
         engine.configure_prefix_cache(not args.no_prefix_cache, memory_mb=args.prefix_cache_mb, disk_dir=disk,
                                       disk_mb=args.prefix_cache_disk_mb)
+    if getattr(args, "no_suffix_drafts", False):
+        engine.suffix_index = None
     return engine
 
 

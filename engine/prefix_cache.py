@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -195,14 +195,42 @@ class Plan:
     source: Entry | None = None
     marks: dict[int, dict[int, Any]] = field(default_factory=dict)
     mark: bool = False  # some cache cannot be cut back: take marks
+    keep: list[int] = field(default_factory=list)  # more positions to mark (a chat's turn boundary)
+
+    @property
+    def stops(self) -> list[int]:
+        """Where the prefill must pause for a mark that falls inside a chunk (``decode``'s prefill_stops)."""
+        start = self.resume.cached if self.resume is not None else 0
+        return [p for p in self.keep if start < p < len(self.prompt)] if self.mark else []
 
     def on_prefill(self, n: int, cache: list) -> None:
         if not self.mark or n <= 0:
             return
         start = self.resume.cached if self.resume is not None else 0
-        if n in (start, len(self.prompt)) or n % MARK_EVERY == 0:
+        if n in (start, len(self.prompt)) or n % MARK_EVERY == 0 or n in self.keep:
             snap = caches.snapshot(cache)
             self.marks[n] = {i: snap[i] for i, cls in enumerate(layer_classes(cache)) if cls not in APPEND_ONLY}
+
+
+NEXT_TURN = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+
+
+def turn_boundary(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],
+                  prompt_ids: Sequence[int]) -> int | None:
+    """How many tokens of this chat prompt the next turn's prompt will share: the common prefix of
+    ``prompt_ids`` with ``render`` (no generation prompt) of the messages plus a next exchange.
+
+    It sits before the generation prompt's tail whenever a template renders that tail otherwise
+    in history: Qwen3's empty ``<think></think>`` block with thinking off, or an opened reasoning
+    block. A cache that cannot be cut back is restorable only where a snapshot was taken; one
+    here (``PrefixCache.plan(keep=...)``) lets the next turn restore all of it instead of falling
+    back to an earlier snapshot (the peer's 2-4 token miss at the boundary, costing the turn)."""
+    try:
+        ids = list(render([*messages, *NEXT_TURN]))
+    except Exception:  # a template that wants other turns (alternation rules...): no boundary
+        return None
+    n = caches.common_prefix(ids, prompt_ids)
+    return n if 0 < n < len(prompt_ids) else None
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,13 +293,15 @@ class PrefixCache:
         return known[1]
 
     # -- lookup and restore --------------------------------------------------------------
-    def plan(self, target: Target, drafter: Drafter | None, prompt: Sequence[int]) -> Plan:
-        """Find the longest stored prefix of ``prompt`` and restore it (``plan.resume``; None: none)."""
+    def plan(self, target: Target, drafter: Drafter | None, prompt: Sequence[int], keep: Sequence[int] = ()) -> Plan:
+        """Find the longest stored prefix of ``prompt`` and restore it (``plan.resume``; None: none).
+        ``keep``: prompt positions a later prompt will likely branch off at (``turn_boundary``)."""
         self._bind(target)
         prompt = list(prompt)
         key = self.drafter_key(drafter)
         needs = bool(drafter is not None and drafter.needs_state)
-        plan = Plan(prompt, key, mark=any(cls not in APPEND_ONLY for cls in layer_classes(target.new_cache())))
+        plan = Plan(prompt, key, mark=any(cls not in APPEND_ONLY for cls in layer_classes(target.new_cache())),
+                    keep=sorted(set(keep)))
         best, p = self._best(prompt, key, needs)
         if self.disk is not None:
             stub, q = self.disk.best(prompt, key, needs)

@@ -11,8 +11,12 @@ top-k/top-p rule, so the output is exact for the truncated target.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
+
+if TYPE_CHECKING:
+    from engine.processors import LogitsProcessor
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,12 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
 
 
 class Sampler:
-    """Holds the sampling settings and the random key stream of one generation."""
+    """Holds the sampling settings and the random key stream of one generation, and its logit
+    processors and logprobs (``engine/processors.py``; None: neither)."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, processor: "LogitsProcessor | None" = None):
         self.params = params.validate()
+        self.processor = processor
         seed = params.seed if params.seed is not None else int.from_bytes(__import__("os").urandom(4), "little")
         self._key = mx.random.key(seed)
 
@@ -84,6 +90,20 @@ class Sampler:
 
     def probs(self, logits: mx.array) -> mx.array:
         return target_probs(logits, self.params)
+
+    def process(self, logits: mx.array, ids: Sequence[int], tail: mx.array | None = None) -> mx.array:
+        """The target's rows as this request samples them (penalties, logit_bias): row i after
+        ``ids`` + the first tokens of ``tail`` (``LogitsProcessor.rows``). Drafters never call it."""
+        return logits if self.processor is None else self.processor.rows(logits, ids, tail)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.processor is not None and self.processor.wants_logprobs
+
+    def logprobs(self, rows: mx.array, tokens: Sequence[int]) -> list | None:
+        """Each token's logprob (``engine.processors.TokenLogprob``) under processed ``rows``;
+        None when the request asks for none."""
+        return None if self.processor is None else self.processor.logprobs(rows, tokens)
 
     def pick(self, logits: mx.array) -> mx.array:
         """One token per row of logits: argmax when greedy, else a sample (lazy)."""

@@ -60,6 +60,7 @@ class RoundEvent:
     verify_s: float = 0.0
     mode: str = ""
     drafted_by: str = ""  # the drafter whose draft this round verified ("" when none): "lookup", "dspark", ...
+    logprobs: list | None = None  # per committed token (engine.processors.TokenLogprob), when the request asks
 
 
 class CapPolicy(Protocol):
@@ -141,6 +142,7 @@ def decode(
     clock: Callable[[], float] | None = None,
     resume: Resume | None = None,
     on_prefill: Callable[[int, list], None] | None = None,
+    prefill_stops: Sequence[int] = (),
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
@@ -149,7 +151,8 @@ def decode(
     the time source for events and the cap policy (default ``time.perf_counter``; tests drive
     a cost model through it). ``on_prefill(n, cache)``: called when the caches hold the prompt's
     first n tokens (after a restore, after each prefill chunk), before anything else is written
-    to them.
+    to them. ``prefill_stops``: prompt positions where a prefill chunk ends (and ``on_prefill``
+    is called) besides the usual ones.
     """
     clock = clock or time.perf_counter
     stats = stats if stats is not None else DecodeStats()
@@ -175,18 +178,21 @@ def decode(
 
     prefilled(0, len(prompt_ids) - cached)
     if cached < len(prompt_ids):
-        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached)
+        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached,
+                                        stops=[s - cached for s in prefill_stops])
     else:  # the whole prompt was restored, with the row after it
         logits, hidden = resume.logits, None
     stats.prompt_logits = logits
-    first = sampler.pick(logits)
     ids = stats.ids
+    row = sampler.process(logits, ids)
+    first = sampler.pick(row)
     ids.append(first.item())
     stats.prefill_s = clock() - t0
     t_start = clock()
     generated = 0
 
-    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by=""):
+    def emit(tokens: list[int], drafted: int, accepted: int, cap: int, draft_s=0.0, verify_s=0.0, drafted_by="",
+             logprobs=None):
         """Apply EOS / length stops to a committed block; return (tokens, event, done)."""
         nonlocal generated
         out, reason = stop_block(tokens, eos, generated, max_new_tokens)
@@ -198,12 +204,13 @@ def decode(
         stats.caps.append(cap)
         stats.target_forwards = target.forwards - forwards_at_start
         event = RoundEvent(len(stats.rounds) - 1, clock() - t_start, drafted, accepted, len(out), cap,
-                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by)
+                           len(prompt_ids) + generated, generated, draft_s, verify_s, mode, drafted_by,
+                           None if logprobs is None else logprobs[: len(out)])
         return out, event, done
 
     if max_new_tokens <= 0:
         return
-    out, event, done = emit([ids[-1]], 0, 0, 0)
+    out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=sampler.logprobs(row, [ids[-1]]))
     yield out, event
     if done:
         return
@@ -262,17 +269,19 @@ def decode(
         if pad:
             logits = logits[:width]
         drafts = verify_ids[1:width]
+        logits = sampler.process(logits, ids, drafts)  # row i after ids + drafts[:i]
         if sampler.greedy:
             n, committed = accept_greedy(drafts, logits)
         else:
             n, committed = accept_sampled(drafts, draft.probs if k else None, logits, sampler)
         txn.commit(n + 1)
+        logprobs = sampler.logprobs(logits[: n + 1], committed)
         t_end = clock()
         ids.extend(committed)
         stats.cache_len = len(ids) - 1  # all but the new anchor
         drafter.commit(ids, len(committed), hidden[: n + 1] if hidden is not None else None)
         out, event, done = emit(committed, k, n, cap, t_verify - t_round, t_end - t_verify,
-                                (draft.source or drafter.name) if k else "")
+                                (draft.source or drafter.name) if k else "", logprobs)
         now = clock()
         cap_policy.observe(k, n, now - t_last)
         t_last = now
@@ -338,19 +347,20 @@ def _plain_run(target: Target, cache: list, ids: list[int], sampler: Sampler, n:
     flight), ends the run after that token instead.
     ``stats.cache_len`` follows what the caches hold: a queued forward has fed the yielded token."""
 
-    def queue(token: mx.array) -> tuple[mx.array, mx.array | None]:
+    def queue(token: mx.array, in_flight: bool) -> tuple:
         logits, hidden = target.forward(token.reshape(1, 1).astype(mx.uint32), cache, last_only=True, tap=tap)
-        nxt = sampler.pick(logits[-1])
-        mx.async_eval(nxt, *([hidden] if hidden is not None else []))
-        return nxt, hidden
+        row = sampler.process(logits[-1], ids, token if in_flight else None)  # after ids (+ the token in flight)
+        nxt = sampler.pick(row)
+        mx.async_eval(nxt, *([hidden] if hidden is not None else []), *([row] if sampler.wants_logprobs else []))
+        return nxt, hidden, row
 
-    y, hidden = queue(mx.array(ids[-1]))
+    y, hidden, row = queue(mx.array(ids[-1]), False)
     for i in range(n):
-        following = queue(y) if i + 1 < n and not (stop is not None and stop()) else None
+        following = queue(y, True) if i + 1 < n and not (stop is not None and stop()) else None
         ids.append(y.item())
         stats.cache_len = len(ids) if following is not None else len(ids) - 1  # a queued forward fed y
-        out, event, done = emit([ids[-1]], 0, 0, 0)
+        out, event, done = emit([ids[-1]], 0, 0, 0, logprobs=sampler.logprobs(row, [ids[-1]]))
         yield out, event, done, hidden
         if done or following is None:
             return
-        y, hidden = following
+        y, hidden, row = following

@@ -427,18 +427,19 @@ class Target:
         return logits, hidden
 
     def prefill(self, ids: Sequence[int], cache: list, *, tap: bool = False, chunk: int = PREFILL_CHUNK,
-                progress: Any = None, offset: int = 0) -> tuple[mx.array, mx.array | None]:
+                progress: Any = None, offset: int = 0, stops: Sequence[int] = ()) -> tuple[mx.array, mx.array | None]:
         """Run the prompt through the target in chunks (bounded memory). Returns the last
         row's logits [V] and, when tapping, hidden states for every prompt row.
 
         ``offset``: tokens ``cache`` already holds (a restored prefix). Chunks end at multiples of
         ``chunk`` counted from token 0: after a restored prefix, chunk boundaries fall where a
-        prefill from token 0 puts them."""
+        prefill from token 0 puts them. ``stops``: positions in ``ids`` where a chunk must end
+        too (``progress`` is called there: the prefix cache snapshots a state to restore)."""
         ids = list(ids)
         hiddens = []
         logits = None
         first = min(len(ids), chunk - offset % chunk)
-        bounds = [0] + list(range(first, len(ids), chunk)) + [len(ids)]
+        bounds = sorted({0, *range(first, len(ids), chunk), *(s for s in stops if 0 < s < len(ids)), len(ids)})
         for start, end in zip(bounds, bounds[1:]):
             part = mx.array([ids[start:end]])
             embeds = self._embeddings(offset + start, offset + end) if self._embeddings is not None else None

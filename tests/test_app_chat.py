@@ -570,3 +570,36 @@ def test_conversation_uses_mode_support_cached_tokens_and_clears_the_cache(make_
         chat.header.switch_model(TARGET)
     assert eng.clears == 2  # the replaced model's cache is dropped with it
     assert threading.current_thread() is threading.main_thread()
+
+
+# -- the thinking switch -----------------------------------------------------------------------------------
+THINK_TEMPLATE = TEMPLATE + "{% if enable_thinking is defined and not enable_thinking %} w30 w31{% endif %}"
+
+
+class ThinkingEngine(ChatEngine):
+    """A template with Qwen3's switch: thinking off appends an (empty) think block, here w30 w31."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokenizer._tokenizer.chat_template = THINK_TEMPLATE
+
+
+def test_think_toggle_is_offered_where_the_template_has_the_switch_and_saved_per_chat(make_win, qtbot):
+    win = make_win()
+    assert win.chat.think.isHidden()  # no enable_thinking in this template
+    win.shutdown()
+    win = make_win(ThinkingEngine)
+    chat, eng = win.chat, win.engines[-1]
+    assert not chat.think.isHidden() and chat.think.isChecked()
+    greedy(chat, 3)
+    answer(qtbot, win, lambda: chat.send("w5 w6"))
+    assert eng.encoded[-1][-2:] != [30, 31]
+    chat.think.setChecked(False)
+    answer(qtbot, win, lambda: chat.send("w7"))
+    assert eng.encoded[-1][-2:] == [30, 31]  # the template was told enable_thinking=false
+    cid = chat.conv.id
+    assert stored(cid).settings["thinking"] is False
+    chat.new_chat()
+    assert chat.think.isChecked()  # a new chat starts from the defaults
+    chat.open_conversation(cid)
+    assert not chat.think.isChecked()

@@ -132,7 +132,7 @@ def test_doctor_report():
     rows = dict(doctor.doctor_report())
     for label in ("Python", "mlx", "mlx-lm", "Backend", "Device", "Memory", "BLAS preload", "BLAS mapped",
                   "sgemm check", "CUDA graph cache", "Weights dtype", "Built-in models", "Converted cache",
-                  "Prefix cache", "HF cache"):
+                  "Prefix cache", "Suffix drafts", "HF cache"):
         assert label in rows and rows[label] and not rows[label].startswith("error"), (label, rows.get(label))
     assert rows["Backend"] == platform.backend()
     assert rows["BLAS preload"].startswith(platform.blas_status().state)

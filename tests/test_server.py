@@ -330,7 +330,8 @@ def test_claude_code_shaped_request(scripted):
     assert data["content_block_start"]["content_block"]["name"] == "get_weather"
     assert json.loads(data["content_block_delta"]["delta"]["partial_json"]) == {"city": "Paris"}
     assert data["message_delta"]["delta"]["stop_reason"] == "tool_use"
-    assert [i.split(" ")[0] for i in data["message_delta"]["x_tandem"]["ignored"]] == ["tools[1]", "thinking"]
+    assert [i.split(" ")[0] for i in data["message_delta"]["x_tandem"]["ignored"]] == [
+        "tools[1]", "thinking.budget_tokens", "thinking"]
 
 
 def test_bare_json_tool_call_and_tools_off(scripted):

@@ -102,6 +102,8 @@ class ChatView(QWidget):
         self.header = ChatHeader(bridge)
         self.title, self.mode, self.params_button = self.header.title, self.header.mode, self.header.params_button
         self.mode.currentTextChanged.connect(self._on_mode_changed)
+        self.think = self.header.think
+        self.think.toggled.connect(self._on_think_changed)
         self.params_button.setChecked(self.settings.show_parameters)
         self.params_button.toggled.connect(self.show_parameters)
         self.header.notice.connect(lambda text: self._say(text, "warn"))
@@ -219,7 +221,8 @@ class ChatView(QWidget):
     def params(self) -> dict:
         s = sampling_settings(self.conv.settings)
         return {"mode": s["mode"], "temperature": s["temperature"], "top_p": s["top_p"], "top_k": s["top_k"],
-                "max_new_tokens": s["max_tokens"], "seed": None if s["seed"] < 0 else s["seed"]}
+                "max_new_tokens": s["max_tokens"], "seed": None if s["seed"] < 0 else s["seed"],
+                "thinking": s["thinking"]}
 
     def _can_send(self) -> bool:
         # while another model loads, a message waits in the worker's queue and the current one stays usable
@@ -461,10 +464,14 @@ class ChatView(QWidget):
             self._add_bubble(self.turn.bubble)
         self.welcome.setVisible(not self.bubbles)
         self.panel.show_conversation(conv)
-        mode = sampling_settings(conv.settings)["mode"]
+        chosen = sampling_settings(conv.settings)
+        mode = chosen["mode"]
         self.mode.blockSignals(True)
         self.mode.setCurrentText(mode if self.mode.findText(mode) >= 0 else "auto")
         self.mode.blockSignals(False)
+        self.think.blockSignals(True)
+        self.think.setChecked(chosen["thinking"])
+        self.think.blockSignals(False)
         self._show_title()
         if conv.id is not None:
             self.settings.last_conversation = conv.id
@@ -483,6 +490,10 @@ class ChatView(QWidget):
 
     def _on_mode_changed(self, mode: str) -> None:
         self.conv.settings = dict(sampling_settings(self.conv.settings), mode=mode)
+        self._save_settings()
+
+    def _on_think_changed(self, on: bool) -> None:
+        self.conv.settings = dict(sampling_settings(self.conv.settings), thinking=on)
         self._save_settings()
 
     def _save_settings(self) -> None:

@@ -1,6 +1,7 @@
 """The Chat tab's top rows: the chat's title and the Parameters toggle; the model (switchable from
-here, with its drafter and a load indicator) and the decoding mode (modes the model cannot run are
-greyed, with the reason).
+here, with its drafter and a load indicator), the Think toggle (for models whose chat template
+has a thinking switch) and the decoding mode (modes the model cannot run are greyed, with the
+reason).
 
 The model list and loading are the Models tab's: the main window hands the header its ``entries``
 and ``load_entry`` (a header on its own lists nothing and loads by name)."""
@@ -44,6 +45,12 @@ class ChatHeader(QWidget):
         for i, m in enumerate(MODES):
             self.mode.setItemData(i, MODE_HELP[m], Qt.ToolTipRole)
         self.mode.setToolTip("Decoding mode for this chat")
+        self.think = QPushButton("Think")  # shown for models whose chat template has the switch
+        self.think.setObjectName("secondary")
+        self.think.setCheckable(True)
+        self.think.setChecked(True)
+        self.think.setToolTip("Let the model reason before it answers (the chat template's enable_thinking)")
+        self.think.hide()
         self.params_button = QPushButton("Parameters")
         self.params_button.setObjectName("secondary")
         self.params_button.setCheckable(True)
@@ -53,7 +60,8 @@ class ChatHeader(QWidget):
         rows.setSpacing(6)
         rows.addLayout(hbox((self.title, 1), self.params_button))
         rows.addLayout(hbox(plain_label("Model", "fieldLabel", wrap=False), self.model_box, self.load_bar,
-                            self.drafter_label, None, plain_label("Mode", "fieldLabel", wrap=False), self.mode))
+                            self.drafter_label, None, self.think, plain_label("Mode", "fieldLabel", wrap=False),
+                            self.mode))
 
         bridge.model_loading.connect(self._on_loading)
         bridge.model_loaded.connect(self._on_loaded)
@@ -103,6 +111,7 @@ class ChatHeader(QWidget):
     def _on_loaded(self, info: dict) -> None:
         self._idle(info)
         self.apply_mode_support(info.get("mode_support"))
+        self.think.setVisible(bool(info.get("thinking_switch")))
 
     def _on_failed(self, message: str) -> None:
         self._idle(self.bridge.model_info)  # back to the model still loaded

@@ -3,6 +3,7 @@
     tandem serve &                      # in another terminal
     tandem claude [-- claude args...]   # Claude Code, answered by the local model
     tandem claude --print-env           # or: eval "$(tandem claude --print-env)"; claude
+    tandem claude --print-settings > .claude/settings.local.json   # or: this project's claude, always
 
 Only the environment of the one ``claude`` child process is set: ANTHROPIC_BASE_URL (the
 server), ANTHROPIC_AUTH_TOKEN (the server's key, else a placeholder; Claude Code sends it as a
@@ -11,6 +12,11 @@ to the local server), ANTHROPIC_MODEL and the small/fast and per-tier default mo
 served model: the server answers every model name), CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC
 (no telemetry or update checks to Anthropic) and API_TIMEOUT_MS (local prefill of Claude Code's
 long system prompt can take minutes on a CPU). No file or setting is changed.
+
+``--print-settings`` prints the same variables as a project-scoped ``.claude/settings.local.json``
+block (``{"env": {...}}``: Claude Code's personal per-project settings, applied over its
+environment): the provider switches found in this shell are set empty there, since the file
+cannot unset them. It carries the server's key when one is given: keep the file out of git.
 
 Prompts must stay on this machine, so the child gets none of the variables that make Claude Code
 use another provider or transport (they take precedence over ANTHROPIC_BASE_URL): the provider
@@ -77,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_api_key_arguments(p, "the key the server was started with")
     p.add_argument("--model", default=None, help="model name to ask for (default: the one the server serves)")
     p.add_argument("--print-env", action="store_true", help="print the environment as shell exports and exit")
+    p.add_argument("--print-settings", action="store_true",
+                   help="print a .claude/settings.local.json block (project-scoped) with the same settings and exit")
     p.add_argument("--claude", default="claude", help="the Claude Code executable (default: 'claude' on PATH)")
     p.add_argument("claude_args", nargs=argparse.REMAINDER, help="arguments passed to claude (after --)")
 
@@ -182,9 +190,24 @@ def check_settings(files: Iterable[Path], url: str) -> None:
                               "there instead of to the local server; remove it from that file to use tandem claude")
 
 
+def settings_block(environ: Mapping[str, str], url: str, model: str, api_key: str | None) -> dict:
+    """``{"env": ...}`` for a project's ``.claude/settings.local.json``: our variables, the loopback
+    NO_PROXY, and the provider variables set in ``environ`` emptied (a settings file cannot unset)."""
+    env = child_env(environ, url, model, api_key)
+    ours = claude_env(url, model, api_key)
+    block = {k: v for k, v in env.items() if k in ours or (k in ("NO_PROXY", "no_proxy") and _is_loopback(url))}
+    block.update({k: "" for k in environ if is_provider_variable(k)})
+    return {"env": dict(sorted(block.items()))}
+
+
 def run(args: argparse.Namespace) -> int:
     url = base_url(args)
     api_key = api_key_from(args)
+    if args.print_settings:
+        print(json.dumps(settings_block(os.environ, url, args.model or served_model(url, api_key), api_key), indent=2))
+        print("tandem: save it as .claude/settings.local.json in your project"
+              + (" (it holds the server's API key: keep it private)" if api_key else ""), file=sys.stderr)
+        return 0
     if args.print_env:  # what the child would get, as changes to this shell's environment
         env = child_env(os.environ, url, args.model or served_model(url, api_key), api_key)
         for key, value in env.items():

@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "1: one at a time)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests waiting for the engine before new ones get 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="enable_thinking=false for chat templates with the switch, unless a request asks otherwise")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
 
 
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
                           allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
                           max_batch=args.max_batch, max_queue=args.max_queue,
-                          allow_image_urls=args.allow_image_urls)
+                          allow_image_urls=args.allow_image_urls, thinking=False if args.no_thinking else None)
     server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C

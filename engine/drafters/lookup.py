@@ -2,7 +2,9 @@
 
 Prompt lookup pays on copy-heavy work (editing code, quoting, summarising with spans): when the
 last few tokens occurred earlier, the tokens after that occurrence are a good guess. Longer
-verbatim matches are more likely to continue, so they earn longer drafts.
+verbatim matches are more likely to continue, so they earn longer drafts. With a ``history``
+(``engine/drafters/suffix.py``: earlier requests' prompts and outputs), a longer match there
+wins over the context's own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from engine.drafters.base import Draft, Drafter
+from engine.drafters.suffix import SuffixIndex
 from engine.sampling import Sampler
 
 MIN_NGRAM = 3  # shorter keys fire often on chat and mostly miss (a net loss)
@@ -24,9 +27,12 @@ STRONG_MATCH = MIN_NGRAM + 2  # a verbatim match this long is worth ending a par
 class LookupDrafter(Drafter):
     name = "lookup"
 
-    def __init__(self, max_draft: int = 32, min_ngram: int = MIN_NGRAM):
+    def __init__(self, max_draft: int = 32, min_ngram: int = MIN_NGRAM, history: SuffixIndex | None = None):
         self.max_draft = max_draft
         self.min_ngram = min_ngram
+        self.history = history
+        self.use_history = True  # off for a seeded sampled request: its sample must not depend on earlier ones
+        self.from_history = 0  # rounds drafted from the history (diagnostics, tests)
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)
         self._indexed = 0  # positions < this have their n-gram ending there indexed
         self._ids: list[int] = []
@@ -72,21 +78,29 @@ class LookupDrafter(Drafter):
         # A bare n-gram hit earns a short guess; each further matched token buys two more.
         return min(cap, self.max_draft, 4 + 2 * (match_len - self.min_ngram))
 
-    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+    def best(self, ids: Sequence[int]) -> tuple[list[int], int, bool]:
+        """(continuation, match length, from the history) of the longest match: the context's
+        own, or the history's where that one is longer."""
         start, length = self.match(ids)
-        if length == 0:
-            return None
-        k = self.draft_length(length, cap)
-        tokens = self._ids[start : start + k]
+        if self.history is not None and self.use_history:
+            tokens, history_length = self.history.match(self._ids, self.max_draft)
+            if history_length > length:
+                return tokens, history_length, True
+        return self._ids[start: start + self.max_draft] if length else [], length, False
+
+    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        tokens, length, from_history = self.best(ids)
+        tokens = tokens[: self.draft_length(length, cap)] if length else []
         if not tokens:
             return None
+        self.from_history += from_history
         return Draft(mx.array(tokens, dtype=mx.uint32))
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self._extend(ids)
 
     def draft_ready(self, ids: Sequence[int]) -> bool:
-        return self.match(ids)[1] > 0
+        return self.best(ids)[1] > 0
 
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
-        return self.match(ids)[1] >= STRONG_MATCH
+        return self.best(ids)[1] >= STRONG_MATCH

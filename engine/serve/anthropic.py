@@ -4,9 +4,10 @@ Content blocks map onto the canonical chat messages: ``tool_use`` blocks become 
 tool calls, ``tool_result`` blocks become tool turns (in order, before any text of the same user
 turn; a non-text block inside a result becomes a placeholder), earlier ``thinking`` blocks are dropped (chat templates drop past reasoning too). The reply
 lifts ``<think>`` output into ``thinking`` blocks and tool calls into ``tool_use`` blocks; a
-streamed reply opens and closes one content block per run of one kind. The request's
-``thinking`` budget and ``cache_control`` marks are accepted and have no effect (reported in
-``x_tandem.ignored``). ``x_tandem`` rides on the body, or on ``message_delta`` when streaming.
+streamed reply opens and closes one content block per run of one kind. ``thinking: {"type":
+"enabled" | "disabled"}`` sets the chat template's ``enable_thinking`` (reported as ignored where
+the template has no such switch); its ``budget_tokens`` and ``cache_control`` marks are accepted
+and have no effect (reported in ``x_tandem.ignored``). ``x_tandem`` rides on the body, or on ``message_delta`` when streaming.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from typing import Any
 
 from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
-                                      str_list, tandem_options)
+                                      processing_options, set_thinking, str_list, tandem_options)
 from engine.serve.images import anthropic_ref, join_parts
 
 
@@ -155,9 +156,15 @@ def parse_request(body: dict, *, count_only: bool = False) -> GenSpec:
     spec.stop = str_list(body.get("stop_sequences"), "stop_sequences")
     spec.stream = opt_bool(body, "stream")
     thinking = body.get("thinking")
-    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        ignored.append("thinking (the model reasons, or not, on its own)")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise RequestError("'thinking' must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}", param="thinking")
+        set_thinking(spec, kind != "disabled")
+        if thinking.get("budget_tokens") is not None:
+            ignored.append("thinking.budget_tokens (the model decides how long it reasons)")
     spec.ignored = ignored
+    processing_options(body, spec)  # not in Anthropic's API; the OpenAI fields, for clients that send them
     tandem_options(body, spec)
     return spec
 

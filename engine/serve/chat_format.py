@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -109,13 +110,14 @@ def tools_as_text(messages: Sequence[dict], tools: Sequence[dict] | None) -> lis
     return out
 
 
-def chatml(messages: Sequence[dict], *, prefill: bool = False) -> str:
+def chatml(messages: Sequence[dict], *, prefill: bool = False, add_generation_prompt: bool = True) -> str:
     """The fallback rendering for a tokenizer without a chat template (``prefill``: the last
     message is the assistant's reply so far, left open)."""
     if prefill:
         *messages, last = messages
         return chatml(messages) + last["content"]
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + (
+        "<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 class PromptTooLong(TandemError):
@@ -152,15 +154,18 @@ def encode_bounded(tokenizer: Any, text: str, max_bytes: int | None, **kw: Any) 
     return list(tokenizer.encode(text, **kw))
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                template_kwargs: dict | None = None, *, add_generation_prompt: bool = True,
                 max_bytes: int | None = None) -> tuple[str, list[int]]:
-    """(prompt text, token ids) for canonical messages, ending with the assistant's turn. A final
-    assistant message (without tool calls) is a prefill: the reply continues it, as OpenAI-compatible
-    servers and Anthropic's API do. ``max_bytes``: see ``encode_bounded``."""
+    """(prompt text, token ids) for canonical messages, ending with the assistant's turn (unless
+    not ``add_generation_prompt``: the history as the next turn will render it). A final assistant
+    message (without tool calls) is then a prefill: the reply continues it, as OpenAI-compatible
+    servers and Anthropic's API do. ``template_kwargs``: variables for the template
+    (``enable_thinking``...). ``max_bytes``: see ``encode_bounded``."""
     if not messages:
         raise TandemError("'messages' is empty: give at least one message")
     last = messages[-1]
-    prefill = last["role"] == "assistant" and not last.get("tool_calls")
+    prefill = add_generation_prompt and last["role"] == "assistant" and not last.get("tool_calls")
     if prefill and not last.get("content"):  # nothing to continue: a plain generation prompt
         messages, prefill = messages[:-1], False
         if not messages:
@@ -170,8 +175,9 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] 
     if template and (template_supports_tools(tokenizer) or not (tools or has_tool_turns)):
         try:
             text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                 add_generation_prompt=not prefill, continue_final_message=prefill,
-                                                 tokenize=False)
+                                                 add_generation_prompt=add_generation_prompt and not prefill,
+                                                 continue_final_message=prefill, tokenize=False,
+                                                 **(template_kwargs or {}))
         except Exception as e:  # jinja raise_exception(), a template that needs other fields
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise TandemError(f"the model's chat template rejected these messages: {first}") from None
@@ -179,8 +185,9 @@ def render_chat(tokenizer: Any, messages: Sequence[dict], tools: Sequence[dict] 
         return text, encode_bounded(tokenizer, text, max_bytes, add_special_tokens=False)
     plain = tools_as_text(messages, tools)
     if template:
-        return render_chat(tokenizer, plain, None, max_bytes=max_bytes)
-    text = chatml(plain, prefill=prefill)
+        return render_chat(tokenizer, plain, None, template_kwargs, add_generation_prompt=add_generation_prompt,
+                           max_bytes=max_bytes)
+    text = chatml(plain, prefill=prefill, add_generation_prompt=add_generation_prompt)
     return text, encode_bounded(tokenizer, text, max_bytes)
 
 
@@ -363,6 +370,18 @@ class GenSpec:
     max_draft: int | str | None = None
     echo: bool = False
     ignored: list[str] = field(default_factory=list)  # fields accepted but not acted on (reported in x_tandem)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: none; else the top alternatives to report per token (0..20)
+    template_kwargs: dict = field(default_factory=dict)  # for the chat template (enable_thinking among them)
+
+    def processing(self) -> dict:
+        """``Engine.stream`` keyword arguments for the penalties, bias and logprobs asked for."""
+        out = {k: getattr(self, k) for k in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                                             "logit_bias") if getattr(self, k) is not None}
+        return out | ({"logprobs": self.logprobs} if self.logprobs is not None else {})
 
 
 @dataclass
@@ -378,6 +397,8 @@ class Reply:
     result: Any = None  # engine.generate.GenerationResult
     stop_sequence: str | None = None
     x_tandem: dict = field(default_factory=dict)
+    logprobs: list = field(default_factory=list)  # streamed TokenLogprobs not yet written
+    token_text: Any = None  # token id -> its text (the tokenizer's), for logprobs
 
     def add(self, events: Sequence[Event]) -> None:
         for kind, payload in events:
@@ -473,6 +494,79 @@ def str_list(value: Any, key: str, *, limit: int = 16) -> list[str]:
     if len(value) > limit:
         raise RequestError(f"'{key}' takes at most {limit} strings, got {len(value)}", param=key)
     return [s for s in value if s]
+
+
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI takes 300
+
+
+def processing_options(body: dict, spec: GenSpec) -> None:
+    """``presence_penalty``, ``frequency_penalty`` (OpenAI's ranges), ``repetition_penalty`` (vLLM's
+    extension) and ``logit_bias`` ({"token id": bias in [-100, 100]}); token ids are checked
+    against the vocabulary when the request runs."""
+    spec.presence_penalty = opt_number(body, "presence_penalty", lo=-2, hi=2)
+    spec.frequency_penalty = opt_number(body, "frequency_penalty", lo=-2, hi=2)
+    spec.repetition_penalty = opt_number(body, "repetition_penalty", lo=0)
+    if spec.repetition_penalty == 0:
+        raise RequestError("'repetition_penalty' must be greater than 0 (1 = off)", param="repetition_penalty")
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} \"token id\": bias pairs",
+                           param="logit_bias")
+    spec.logit_bias = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise RequestError(f"'logit_bias' keys must be token ids, got {json.dumps(key)[:40]}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"'logit_bias' values must be numbers between -100 and 100, got {json.dumps(value)[:40]} "
+                               f"for token {key}", param="logit_bias")
+        spec.logit_bias[int(key)] = float(value)
+    spec.logit_bias = spec.logit_bias or None
+
+
+# Arguments apply_chat_template takes itself: a request may not set them through the template's kwargs.
+_RESERVED_TEMPLATE_KEYS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
+                           "continue_final_message", "return_dict", "return_tensors", "chat_template", "padding",
+                           "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+
+
+def template_options(body: dict, spec: GenSpec, key: str = "chat_template_kwargs") -> None:
+    """``chat_template_kwargs`` (vLLM's and SGLang's field: any variables the template reads) into
+    ``spec.template_kwargs``."""
+    kwargs = body.get(key)
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or len(kwargs) > 32:
+        raise RequestError(f"'{key}' must be an object of at most 32 template variables", param=key)
+    for name in kwargs:
+        if not name.isidentifier() or name in _RESERVED_TEMPLATE_KEYS:
+            raise RequestError(f"'{key}' cannot set {json.dumps(name)[:40]}", param=key)
+    spec.template_kwargs.update(kwargs)
+
+
+def set_thinking(spec: GenSpec, on: bool | None) -> None:
+    """The thinking switch as templates read it (Qwen3's ``enable_thinking``)."""
+    if on is not None:
+        spec.template_kwargs["enable_thinking"] = on
+
+
+def template_reads(tokenizer: Any, name: str) -> bool:
+    """Whether the tokenizer's chat template mentions the variable ``name`` (it can only then act on it)."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any(re.search(rf"\b{re.escape(name)}\b", str(t)) for t in texts)
+
+
+def unread_template_kwargs(tokenizer: Any, kwargs: dict) -> list[str]:
+    """Notes for ``x_tandem.ignored``: the template variables this model's template never reads."""
+    out = []
+    for name in kwargs:
+        if name == "enable_thinking" and not template_reads(tokenizer, name):
+            out.append("thinking (this model's chat template has no enable_thinking switch)")
+        elif not template_reads(tokenizer, name):
+            out.append(f"chat_template_kwargs.{name} (this model's chat template does not read it)")
+    return out
 
 
 def tandem_options(body: dict, spec: GenSpec) -> None:

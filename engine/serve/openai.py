@@ -5,6 +5,11 @@ use the server's defaults (greedy unless ``tandem serve --temperature`` says oth
 OpenAI's temperature 1. Reasoning goes to ``reasoning_content`` (as DeepSeek and vLLM do);
 tool calls come whole in one delta once the model closes them. Every reply carries
 ``x_tandem`` (in the body, or in the final streamed chunk).
+
+``presence_penalty``, ``frequency_penalty``, ``repetition_penalty`` (vLLM's extension) and
+``logit_bias`` change the distribution sampled from; ``logprobs``/``top_logprobs`` (chat) and
+``logprobs`` (completions) report it, up to 20 alternatives (``engine/processors.py`` defines
+both). ``chat_template_kwargs`` and ``enable_thinking`` reach the chat template.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.processors import MAX_TOP_LOGPROBS
 from engine.serve.chat_format import (SEED_MAX, GenSpec, Reply, RequestError, opt_bool, opt_number, opt_str,
-                                      str_list, tandem_options)
+                                      processing_options, set_thinking, str_list, tandem_options, template_options)
 from engine.serve.images import join_parts, openai_ref
 
 # Fields clients send that change nothing here when left at their defaults.
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "reasoning_effort": None}
+_NEUTRAL = {"reasoning_effort": None}
 
 
 def _text_content(content: Any, where: str) -> str | list[dict]:
@@ -156,19 +162,26 @@ def _common(body: dict, spec: GenSpec) -> GenSpec:
         raise RequestError("'model' must be a string", param="model")
     spec.model = model
     spec.ignored = [k for k, neutral in _NEUTRAL.items() if body.get(k) not in (None, neutral, {})]
+    processing_options(body, spec)
     tandem_options(body, spec)
     return spec
 
 
 def parse_chat(body: dict) -> GenSpec:
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise RequestError("'logprobs' is not supported", param="logprobs")
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         raise RequestError(f"response_format '{fmt.get('type')}' is not supported (no constrained decoding)",
                            param="response_format")
     spec = GenSpec(kind="chat", messages=parse_messages(body.get("messages")),
                    tools=parse_tools(body.get("tools"), body.get("tool_choice")))
+    top = opt_number(body, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if opt_bool(body, "logprobs"):
+        spec.logprobs = top or 0
+    elif top:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    template_options(body, spec)
+    if body.get("enable_thinking") is not None:  # the peer's per-request switch
+        set_thinking(spec, opt_bool(body, "enable_thinking"))
     return _common(body, spec)
 
 
@@ -182,13 +195,14 @@ def parse_completion(body: dict) -> GenSpec:
                                param="prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise RequestError("'prompt' must be a non-empty string", param="prompt")
-    if body.get("logprobs"):
-        raise RequestError("'logprobs' is not supported", param="logprobs")
+    logprobs = opt_number(body, "logprobs", lo=0, hi=MAX_TOP_LOGPROBS, integer=True)
+    if logprobs is not None and opt_bool(body, "echo"):
+        raise RequestError("'logprobs' with 'echo' is not supported (no logprobs for prompt tokens)", param="logprobs")
     if body.get("suffix"):
         raise RequestError("'suffix' (fill-in-the-middle) is not supported", param="suffix")
     if opt_number(body, "best_of", lo=1, integer=True) not in (None, 1):
         raise RequestError("'best_of' must be 1", param="best_of")
-    spec = GenSpec(kind="completion", prompt=prompt, echo=opt_bool(body, "echo"))
+    spec = GenSpec(kind="completion", prompt=prompt, echo=opt_bool(body, "echo"), logprobs=logprobs)
     return _common(body, spec)
 
 
@@ -223,12 +237,41 @@ def context_error(n_prompt: int, limit: int, *, at_least: bool = False) -> Reque
                         code="context_length_exceeded")
 
 
+LOGPROB_FLOOR = -9999.0  # for -inf, which JSON cannot carry (vLLM's choice)
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _token_logprob(r: Reply, token: int, logprob: float) -> dict:
+    text = r.token_text(token)
+    return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+
 class ChatWriter:
-    """/v1/chat/completions replies: one JSON body, or chunks."""
+    """/v1/chat/completions replies: one JSON body, or chunks. Streamed logprobs ride on the
+    first chunk written after their tokens arrive (reasoning and tool-call tokens included)."""
 
     def __init__(self, spec: GenSpec):
         self.spec = spec
         self._tool_index = 0
+
+    def logprobs(self, r: Reply, items: list) -> dict:
+        return {"content": [{**_token_logprob(r, t.token, t.logprob),
+                             "top_logprobs": [_token_logprob(r, i, v) for i, v in t.top]} for t in items],
+                "refusal": None}
+
+    def _pending_logprobs(self, r: Reply) -> dict | None:
+        if self.spec.logprobs is None or not r.logprobs:
+            return None
+        items, r.logprobs = r.logprobs, []
+        return self.logprobs(r, items)
+
+    def _all_logprobs(self, r: Reply) -> dict | None:
+        if self.spec.logprobs is None or r.result is None:
+            return None
+        return self.logprobs(r, r.result.logprobs or [])
 
     def body(self, r: Reply) -> dict:
         message: dict = {"role": "assistant", "content": r.text if (r.text or not r.tool_calls) else None}
@@ -237,12 +280,14 @@ class ChatWriter:
         if r.tool_calls:
             message["tool_calls"] = [_tool_call(c) for c in r.tool_calls]
         return {"id": r.id, "object": "chat.completion", "created": r.created, "model": r.model,
-                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(r)}],
+                "choices": [{"index": 0, "message": message, "logprobs": self._all_logprobs(r),
+                             "finish_reason": _finish(r)}],
                 "usage": _usage(r), "x_tandem": r.x_tandem}
 
-    def _chunk(self, r: Reply, delta: dict, finish: str | None = None, **extra: Any) -> bytes:
+    def _chunk(self, r: Reply, delta: dict, finish: str | None = None, logprobs: dict | None = None,
+               **extra: Any) -> bytes:
         return sse({"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": r.model,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra})
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
     def start(self, r: Reply) -> list[bytes]:
         return [self._chunk(r, {"role": "assistant", "content": ""})]
@@ -250,17 +295,18 @@ class ChatWriter:
     def events(self, r: Reply, events: list) -> list[bytes]:
         out = []
         for kind, payload in events:
+            logprobs = self._pending_logprobs(r)
             if kind == "text":
-                out.append(self._chunk(r, {"content": payload}))
+                out.append(self._chunk(r, {"content": payload}, logprobs=logprobs))
             elif kind == "thinking":
-                out.append(self._chunk(r, {"reasoning_content": payload}))
+                out.append(self._chunk(r, {"reasoning_content": payload}, logprobs=logprobs))
             else:
-                out.append(self._chunk(r, {"tool_calls": [_tool_call(payload, self._tool_index)]}))
+                out.append(self._chunk(r, {"tool_calls": [_tool_call(payload, self._tool_index)]}, logprobs=logprobs))
                 self._tool_index += 1
         return out
 
     def end(self, r: Reply) -> list[bytes]:
-        out = [self._chunk(r, {}, _finish(r), x_tandem=r.x_tandem)]
+        out = [self._chunk(r, {}, _finish(r), logprobs=self._pending_logprobs(r), x_tandem=r.x_tandem)]
         if self.spec.include_usage:
             out.append(sse({"id": r.id, "object": "chat.completion.chunk", "created": r.created, "model": r.model,
                             "choices": [], "usage": _usage(r)}))
@@ -279,24 +325,38 @@ class CompletionWriter(ChatWriter):
     def __init__(self, spec: GenSpec, prompt_text: str = ""):
         super().__init__(spec)
         self.echo = prompt_text if spec.echo else ""
+        self._offset = len(self.echo)  # text_offset of the next token
+
+    def logprobs(self, r: Reply, items: list) -> dict:
+        """The legacy shape: parallel lists, ``top_logprobs`` as {token text: logprob}."""
+        tokens, offsets = [], []
+        for t in items:
+            tokens.append(r.token_text(t.token))
+            offsets.append(self._offset)
+            self._offset += len(tokens[-1])
+        top = [{r.token_text(i): _logprob(v) for i, v in t.top} for t in items] if self.spec.logprobs else None
+        return {"tokens": tokens, "token_logprobs": [_logprob(t.logprob) for t in items], "top_logprobs": top,
+                "text_offset": offsets}
 
     def body(self, r: Reply) -> dict:
         return {"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
-                "choices": [{"index": 0, "text": self.echo + r.text, "logprobs": None, "finish_reason": _finish(r)}],
+                "choices": [{"index": 0, "text": self.echo + r.text, "logprobs": self._all_logprobs(r),
+                             "finish_reason": _finish(r)}],
                 "usage": _usage(r), "x_tandem": r.x_tandem}
 
-    def _chunk(self, r: Reply, text: str, finish: str | None = None, **extra: Any) -> bytes:
+    def _chunk(self, r: Reply, text: str, finish: str | None = None, logprobs: dict | None = None,
+               **extra: Any) -> bytes:
         return sse({"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+                    "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}], **extra})
 
     def start(self, r: Reply) -> list[bytes]:
         return [self._chunk(r, self.echo)] if self.echo else []
 
     def events(self, r: Reply, events: list) -> list[bytes]:
-        return [self._chunk(r, payload) for kind, payload in events if kind == "text"]
+        return [self._chunk(r, payload, logprobs=self._pending_logprobs(r)) for kind, payload in events if kind == "text"]
 
     def end(self, r: Reply) -> list[bytes]:
-        out = [self._chunk(r, "", _finish(r), x_tandem=r.x_tandem)]
+        out = [self._chunk(r, "", _finish(r), logprobs=self._pending_logprobs(r), x_tandem=r.x_tandem)]
         if self.spec.include_usage:
             out.append(sse({"id": r.id, "object": "text_completion", "created": r.created, "model": r.model,
                             "choices": [], "usage": _usage(r)}))

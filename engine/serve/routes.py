@@ -17,12 +17,15 @@ import queue
 import time
 from typing import Any, Callable, Iterator
 
+from engine.errors import TandemError
+from engine.prefix_cache import turn_boundary
+from engine.processors import Processing
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
 from engine.serve import images as serve_images
 from engine.serve.chat_format import (GenSpec, OutputParser, PromptTooLong, Reply, RequestError,
                                       bytes_per_token_bound, encode_bounded, matched_stop, new_id, opens_thinking,
-                                      render_chat, tools_as_text)
+                                      render_chat, tools_as_text, unread_template_kwargs)
 from engine.serve.http import ClientGone, RequestHandler
 from engine.serve.worker import Job
 
@@ -175,12 +178,26 @@ class Handler(RequestHandler):
         max_bytes = limit * per_token if limit else None
         try:
             if spec.kind == "chat":
-                return render_chat(tok, spec.messages, spec.tools, max_bytes=max_bytes)
+                spec.ignored += unread_template_kwargs(tok, spec.template_kwargs)
+                return render_chat(tok, spec.messages, spec.tools, self._template_kwargs(spec), max_bytes=max_bytes)
             if not spec.prompt.strip():
                 raise RequestError("'prompt' is only whitespace: give some text to continue", param="prompt")
             return spec.prompt, encode_bounded(tok, spec.prompt, max_bytes)
         except PromptTooLong as e:  # at least this many tokens, whatever the tokenizer makes of it
             raise dialect.context_error(-(-e.n_bytes // per_token), limit, at_least=True) from None
+
+    def _template_kwargs(self, spec: GenSpec) -> dict:
+        """The request's template variables over the server's defaults (tandem serve --no-thinking)."""
+        thinking = self.tandem.config.thinking
+        return ({} if thinking is None else {"enable_thinking": thinking}) | spec.template_kwargs
+
+    def _turn_boundary(self, engine: Any, spec: GenSpec, ids: list[int]) -> int | None:
+        """Where the next turn of this chat departs from its prompt (the prefix cache keeps a state there)."""
+        if spec.kind != "chat":
+            return None
+        kwargs, tok = self._template_kwargs(spec), self._tokenizer(engine)
+        return turn_boundary(lambda m: render_chat(tok, m, spec.tools, kwargs, add_generation_prompt=False)[1],
+                             spec.messages, ids)
 
     def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
         t0 = time.perf_counter()
@@ -200,13 +217,18 @@ class Handler(RequestHandler):
             temperature=cfg.temperature if spec.temperature is None else spec.temperature,
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
-            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop)
+            seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop,
+            turn_boundary=None if image is not None else self._turn_boundary(engine, spec, ids), **spec.processing())
         if image is not None:
             kwargs["image_prompt"] = image
+        try:
+            Processing(**spec.processing()).validate(engine.target.vocab_size)
+        except TandemError as e:
+            raise RequestError(str(e), param="logit_bias") from None
         prefix = {"openai": "chatcmpl-" if spec.kind == "chat" else "cmpl-", "anthropic": "msg_"}
         reply = Reply(id=new_id(prefix["anthropic" if dialect is anthropic_api else "openai"]),
                       model=spec.model or srv.model_name, created=int(time.time()), prompt_tokens=len(ids),
-                      stop=spec.stop)
+                      stop=spec.stop, token_text=self._token_text(engine) if spec.logprobs is not None else None)
         parser = None
         if spec.kind == "chat":
             names = [t["function"]["name"] for t in spec.tools] if spec.tools else None
@@ -224,6 +246,18 @@ class Handler(RequestHandler):
             job.cancel.set()  # a no-op when it finished; stops it when anything above failed
             srv.metrics.gauge("in_flight", -1)
             srv.metrics.latency_observe(time.perf_counter() - t0)
+
+    def _token_text(self, engine: Any) -> Callable[[int], str]:
+        """Token id -> its text, for logprobs (cached per request; the tokenizer under its lock)."""
+        known: dict[int, str] = {}
+
+        def text(token: int) -> str:
+            if token not in known:
+                with self.tandem.tokenizer_lock:
+                    known[token] = engine.tokenizer.decode([token])
+            return known[token]
+
+        return text
 
     def _relay(self, job: Job, writer: Any, parser: OutputParser | None, reply: Reply, spec: GenSpec,
                keepalive: Callable[[], None] | None = None) -> Iterator[list]:
@@ -247,6 +281,7 @@ class Handler(RequestHandler):
                 continue
             kind = item[0]
             if kind == "text":
+                reply.logprobs += item[2] if len(item) > 2 else []
                 events = parser.feed(item[1]) if parser else [("text", item[1])]
                 reply.add(events)
                 yield events

@@ -77,6 +77,7 @@ class ServerConfig:
     max_batch: int = 1  # requests decoding together (continuous batching); 1: one at a time
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond it get 503 with Retry-After
     allow_image_urls: bool = False  # fetch http(s) image URLs named in requests (off: data URLs only)
+    thinking: bool | None = None  # enable_thinking for templates with the switch unless a request says; None: theirs
 
 
 def model_context(engine: Any) -> int | None:

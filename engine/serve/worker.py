@@ -147,6 +147,8 @@ class JobRunner:
         def on_chunk(chunk: Any) -> None:
             if chunk.result is not None:
                 self._delivered(job, chunk.result)
+            elif chunk.logprobs:
+                job.out.put(("text", chunk.text, chunk.logprobs))
             elif chunk.text:
                 job.out.put(("text", chunk.text))
 
@@ -176,7 +178,8 @@ class JobRunner:
     def _publisher(self, job: Job) -> Callable[[Any], None]:
         def on_round(ev: Any) -> None:
             if self._observed:
-                self._publish({"type": "round", "id": job.id, **dataclasses.asdict(ev)})
+                self._publish({"type": "round", "id": job.id,  # a round's logprobs are the reply's, not telemetry
+                               **{f.name: getattr(ev, f.name) for f in dataclasses.fields(ev) if f.name != "logprobs"}})
 
         return on_round
 
@@ -210,6 +213,8 @@ class JobRunner:
                                             prefill_progress=progress, **job.kwargs):
                 if chunk.result is not None:
                     self._delivered(job, chunk.result)
+                elif chunk.logprobs:
+                    job.out.put(("text", chunk.text, chunk.logprobs))
                 elif chunk.text:
                     job.out.put(("text", chunk.text))
         except _Cancelled:
