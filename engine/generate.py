@@ -236,6 +236,7 @@ class Engine:
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
+        self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
         self.vision: Any = None  # engine.vision.Vision: the model takes images (a model loaded through mlx-vlm)
         if loaded is not None and getattr(loaded, "vision", None) is not None:
             from engine import vision
@@ -251,7 +252,6 @@ class Engine:
         if self.vision is None:
             return f"{self.name} takes no images (a text-only model)"
         return None if self.vision.takes_images else f"{self.name} takes no images here: {self.vision.refused}"
-        self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
 
     def set_kv_bits(self, bits: int | None, *, force: bool = False) -> None:
         """``--kv-bits``: quantize full-attention K/V (mlx-lm's QuantizedKVCache, group size 64) on

@@ -34,9 +34,17 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10] * 3, [20, 21, 22], list(range(30, 70)), [50
 BUDGETS = [24, 9, 30, 16]
 
 
+def make_engine(arch: str = "llama", **kw):
+    """A tiny engine without the suffix index: drafts from the requests a test first runs alone
+    would make the batched ones finish in fewer rounds and overlap less (their output is the same)."""
+    eng = make_tiny_engine(arch, **kw)
+    eng.suffix_index = None
+    return eng
+
+
 @pytest.fixture(scope="module", params=["llama", *FAMILIES])
 def family_engine(request):
-    return make_tiny_engine(request.param)
+    return make_engine(request.param)
 
 
 def alone(engine, prompt, **kw):
@@ -122,7 +130,7 @@ def test_rows_join_mid_flight_leave_early_and_speculate(tmp_path):
     rows (each with its own forked drafter state) and lookup rows share forwards."""
     from tests.test_block_drafters import write_dspark
 
-    eng = make_tiny_engine("llama", seed=3)
+    eng = make_engine("llama", seed=3)
     eng.drafter_path = str(write_dspark(tmp_path / "dspark", eng))
     modes = ["dspark", "lookup", "dspark", "baseline"]
     want = [alone(eng, p, mode=m, max_new_tokens=n, max_draft=4) for p, m, n in zip(PROMPTS, modes, BUDGETS)]
@@ -146,6 +154,7 @@ def _engine_for(mode: str, tmp_path):
     from tests.test_block_drafters import bigram_engine
 
     eng = bigram_engine() if mode == "mtp" else make_tiny_engine("qwen3" if mode == "eagle3" else "llama", seed=4)
+    eng.suffix_index = None  # see make_engine
     if mode == "draft":
         eng.set_drafter("draft", DraftModelDrafter(make_tiny_model("llama", seed=4), max_draft=4))
     elif mode in ("dspark", "lookup-first"):
@@ -178,7 +187,7 @@ def test_every_drafter_batches(mode, tmp_path):
 
 
 def test_seeded_sampling_alone_equals_batched():
-    eng = make_tiny_engine("llama", seed=5)
+    eng = make_engine("llama", seed=5)
     kw = dict(mode="lookup", temperature=0.9, top_p=0.95, max_draft=4)
     want = [alone(eng, p, seed=40 + i, max_new_tokens=n, **kw) for i, (p, n) in enumerate(zip(PROMPTS, BUDGETS))]
     tickets, _ = run_batch(eng, [dict(prompt=p, seed=40 + i, max_new_tokens=n, **kw)
@@ -223,7 +232,7 @@ def test_batched_sampling_is_exact():
 
 
 def test_generate_batch_api_and_results_order():
-    eng = make_tiny_engine("llama")
+    eng = make_engine("llama")
     results = api.generate_batch(eng, ["w5 w6 w7", "w9 w9 w9 w9", "w30"], mode="lookup", max_new_tokens=6,
                                  chat_template=False, max_batch=2)
     assert [r.text for r in results] == [eng.generate(p, mode="lookup", max_new_tokens=6, chat_template=False).text
@@ -245,7 +254,7 @@ def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict, dict]:
 
 @pytest.fixture(scope="module")
 def batch_server():
-    srv = make_server(lambda: make_tiny_engine("llama"), port=0, max_batch=3, max_queue=4).start()
+    srv = make_server(lambda: make_engine("llama"), port=0, max_batch=3, max_queue=4).start()
     srv.wait_ready(60)
     yield srv
     srv.stop()
@@ -310,7 +319,7 @@ def test_stress_random_arrivals_lengths_and_cancellations():
     """50 requests arriving at random ticks with random lengths, caps and modes, a fifth cancelled
     at a random tick: every one ends (result or cancelled), occupancy returns to 0, each finished
     one equals its request alone, and a second identical run holds no more memory than the first."""
-    eng = make_tiny_engine("gemma3", seed=9)
+    eng = make_engine("gemma3", seed=9)
     rng = np.random.default_rng(0)
     plan = []
     for i in range(50):
@@ -361,7 +370,7 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
     from engine.benchmark import Arm
     from engine.concurrent_bench import format_concurrent, run_concurrent
 
-    eng = make_tiny_engine("llama", seed=2)
+    eng = make_engine("llama", seed=2)
     prompts = [("code", p) for p in PROMPTS[:3]] + [("chat", p[::-1]) for p in PROMPTS[:3]]
     report = run_concurrent(eng, prompts, [Arm("baseline"), Arm("lookup", "auto")], concurrent=3, arrival_ms=5,
                             max_new_tokens=12)
@@ -379,7 +388,7 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
 def test_a_drafter_tapping_other_layers_waits_and_says_so(tmp_path):
     from tests.test_block_drafters import write_dspark
 
-    eng = make_tiny_engine("llama", seed=3)
+    eng = make_engine("llama", seed=3)
     first, second = write_dspark(tmp_path / "a", eng, taps=[0, 2]), write_dspark(tmp_path / "b", eng, taps=[1, 2])
     batcher = Batcher(eng, 4)
     tickets = []
@@ -452,3 +461,35 @@ def test_server_both_dialects_streaming_and_not_batched_equal_alone(batch_server
         t.join(60)
     assert [together[i] for i in range(len(calls))] == alone_texts
     assert alone_texts[0] == alone_texts[1] and alone_texts[2] == alone_texts[3]  # streamed == not streamed
+
+
+def test_penalties_bias_and_logprobs_per_row():
+    """Rows with their own penalties, logit_bias and logprobs share forwards: each row's tokens and
+    logprobs are its request's alone."""
+    eng = make_engine("llama", seed=6)
+    settings = [dict(presence_penalty=0.8, logprobs=3), dict(repetition_penalty=1.3, logit_bias={7: -100.0}),
+                dict(frequency_penalty=0.5, logprobs=0, temperature=0.8, seed=3), {}]
+    requests = [dict(prompt=p, mode="lookup", max_new_tokens=n, max_draft=4, **kw)
+                for p, n, kw in zip(PROMPTS, BUDGETS, settings)]
+    want = [alone(eng, r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in requests]
+    tickets, widths = run_batch(eng, [dict(r) for r in requests], max_batch=4)
+    assert max(widths) == 4
+    for t, w in zip(tickets, want):
+        assert t.result.token_ids == w.token_ids
+        assert (t.result.logprobs is None) == (w.logprobs is None)
+        for a, b in zip(t.result.logprobs or [], w.logprobs or []):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+    assert 7 not in tickets[1].result.token_ids
+    assert len(tickets[0].result.logprobs) == len(tickets[0].result.token_ids)
+
+
+def test_suffix_drafts_from_earlier_requests_under_batching():
+    """Lookup rows draft from what earlier requests wrote (the engine's suffix index): a batch
+    repeating earlier prompts drafts far more than the first, with the same tokens."""
+    eng = make_tiny_engine("llama", seed=8)
+    kw = dict(mode="lookup", max_new_tokens=24, max_draft=6)
+    first, _ = run_batch(eng, [dict(prompt=p, **kw) for p in PROMPTS[1:]], max_batch=3)
+    again, _ = run_batch(eng, [dict(prompt=p, **kw) for p in PROMPTS[1:]], max_batch=3)
+    assert [t.result.token_ids for t in again] == [t.result.token_ids for t in first]
+    assert sum(t.result.drafted for t in again) > sum(t.result.drafted for t in first)
