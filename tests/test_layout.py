@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = {"engine", "engine.errors", "engine.paths", "engine.platform", "engine.sampling", "engine.target",
         "engine.caches", "engine.recurrent", "engine.shapes", "engine.compiled", "engine.skinny_gemm", "engine.cuda_skinny",
         "engine.speculative", "engine.batch", "engine.batch_cache", "engine.detokenize", "engine.loading", "engine.gguf",
-        "engine.starter"}
+        "engine.starter", "engine.processors", "engine.vision", "engine.images"}
 FRONT_ENDS = ("engine.cli", "engine.serve", "engine.train")
 
 
