@@ -179,6 +179,13 @@ def _model_tps(cal: Any, results: Sequence["GenerationResult"]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def forget_earlier_requests(engine: "Engine") -> None:
+    """Empty the engine's suffix index: a benchmark runs the same prompts again and again, and
+    lookup would otherwise draft each answer from an earlier run of it."""
+    if getattr(engine, "suffix_index", None) is not None:
+        engine.suffix_index.clear()
+
+
 def stamp(engine: "Engine") -> dict:
     """What the figures depend on: machine, backend, MLX, model."""
     import mlx.core as mx
@@ -231,7 +238,9 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
     done = 0
 
     def gen(arm: Arm, ids: list[int], n: int) -> "GenerationResult":
-        # Every run prefills its prompt (the prefix cache would restore it from the arm before).
+        # Every run prefills its prompt (the prefix cache would restore it from the arm before) and
+        # drafts from its own context only (the suffix index holds the other arms' answers).
+        forget_earlier_requests(engine)
         return engine.generate(ids, mode=arm.mode, max_new_tokens=n, prefix_cache=False,
                                max_draft=None if arm.mode == "baseline" else arm.cap)
 

@@ -7,6 +7,8 @@ Each group of N prompts (one group per class, so a class's figures are its own) 
 * **batched**: the same requests through a ``Batcher`` of width N (continuous batching, each row
   speculating on its own); request i joins at its arrival.
 
+Each run starts with the engine's suffix index emptied (``forget_earlier_requests``): the same
+prompts run again and again, and lookup must not draft an answer from an earlier run of it.
 Reported per arm and class: aggregate tok/s (tokens / wall time from the first arrival to the
 last answer), per-request latency and time to first token (p50/p95, from arrival), batched /
 sequential, and batched speculation / batched baseline. Every batched answer is checked against
@@ -19,7 +21,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from engine.benchmark import Arm, check_lossless, stamp
+from engine.benchmark import Arm, check_lossless, forget_earlier_requests, stamp
 from engine.errors import TandemError
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ def _kwargs(arm: Arm, max_new_tokens: int) -> dict:
 
 def run_sequential(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int,
                    arrival_s: float) -> tuple[dict, list["GenerationResult"]]:
+    forget_earlier_requests(engine)
     results, latency, ttft = [], [], []
     t0 = time.perf_counter()
     for i, ids in enumerate(group):
@@ -65,6 +68,7 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
                 width: int) -> tuple[dict, list["GenerationResult"]]:
     from engine.batching import Batcher
 
+    forget_earlier_requests(engine)
     batcher = Batcher(engine, width)
     tickets: list[Any] = [None] * len(group)
     arrived: list[float] = [0.0] * len(group)

@@ -46,6 +46,12 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def clear(self) -> None:
+        """Forget every sequence (a benchmark's runs must not draft from each other's answers)."""
+        self._seqs.clear()
+        self._postings.clear()
+        self._stale = self.tokens = 0
+
     def add(self, tokens: Sequence[int]) -> None:
         """Remember a sequence (a prompt and what was generated after it)."""
         tokens = [int(t) for t in tokens]
