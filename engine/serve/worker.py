@@ -144,21 +144,13 @@ class JobRunner:
         self._announce(job)
         self.running.add(job)
 
-        def on_chunk(chunk: Any) -> None:
-            if chunk.result is not None:
-                self._delivered(job, chunk.result)
-            elif chunk.logprobs:
-                job.out.put(("text", chunk.text, chunk.logprobs))
-            elif chunk.text:
-                job.out.put(("text", chunk.text))
-
         def on_error(e: BaseException) -> None:
             log.error("generation %s failed: %s", job.id, e)
             self._failed(job, f"internal error: {type(e).__name__}: {e}", 500)
 
         try:
-            self.batcher.submit(job.prompt_ids, on_chunk=on_chunk, cancel=job.cancel.is_set, on_error=on_error,
-                                on_round=on_round, **job.kwargs)
+            self.batcher.submit(job.prompt_ids, on_chunk=lambda chunk: self._relay(job, chunk),
+                                cancel=job.cancel.is_set, on_error=on_error, on_round=on_round, **job.kwargs)
         except TandemError as e:
             self._failed(job, str(e), 400)
         except Exception as e:  # a bug must not take the engine thread down with it
@@ -189,6 +181,15 @@ class JobRunner:
                            "prompt_tokens": len(job.prompt_ids), "queue_s": round(job.started - job.submitted, 4),
                            **{k: job.kwargs.get(k) for k in ("mode", "max_new_tokens", "temperature")}}, evict=True)
 
+    def _relay(self, job: Job, chunk: Any) -> None:
+        """One chunk of a job's stream to its handler: text (with logprobs when asked), or the result."""
+        if chunk.result is not None:
+            self._delivered(job, chunk.result)
+        elif chunk.logprobs:
+            job.out.put(("text", chunk.text, chunk.logprobs))
+        elif chunk.text:
+            job.out.put(("text", chunk.text))
+
     def _delivered(self, job: Job, result: Any) -> None:
         self.running.discard(job)
         self.metrics.result(result)
@@ -211,12 +212,7 @@ class JobRunner:
         try:
             for chunk in self.engine.stream(job.prompt_ids, on_round=on_round, cancel=job.cancel.is_set,
                                             prefill_progress=progress, **job.kwargs):
-                if chunk.result is not None:
-                    self._delivered(job, chunk.result)
-                elif chunk.logprobs:
-                    job.out.put(("text", chunk.text, chunk.logprobs))
-                elif chunk.text:
-                    job.out.put(("text", chunk.text))
+                self._relay(job, chunk)
         except _Cancelled:
             self.metrics.add(cancelled=1)
             self._failed(job, "cancelled during prefill", None)
