@@ -3,8 +3,8 @@
 ``decode`` (engine/speculative.py) runs one sequence; ``BatchLoop`` runs up to ``max_batch`` of
 them with the same rules per row. A tick is:
 
-1. **One prefill chunk** of the oldest sequence still prefilling (chunk boundaries at multiples of
-   ``PREFILL_CHUNK`` from token 0, as ``Target.prefill`` puts them, so a row's caches are what a
+1. **One prefill chunk** of the oldest sequence still prefilling (chunk boundaries where
+   ``Target.prefill`` puts them, ``prefill_bounds``, so a row's caches are what a
    lone prefill leaves). Rows already decoding, and requests arriving, wait for one chunk at
    most, never a whole prompt.
 2. **One round for every decoding row** in one target forward: each row asks its own cap policy,
@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from engine.drafters.base import Drafter
-from engine.sampling import Sampler, accept_greedy, accept_sampled
+from engine.sampling import Sampler, accept_block
 from engine.speculative import (
     CapPolicy,
     DecodeStats,
@@ -41,7 +41,7 @@ from engine.speculative import (
     _tell_no_draft,
     stop_block,
 )
-from engine.target import PREFILL_CHUNK, Target
+from engine.target import Target, prefill_bounds
 
 
 @dataclass
@@ -169,8 +169,8 @@ class BatchLoop:
             self._prefilled(row)
         n = len(row.prompt_ids)
         if row.prefilled < n:
-            end = min([n, (row.prefilled // PREFILL_CHUNK + 1) * PREFILL_CHUNK]
-                      + [stop for stop in row.prefill_stops if stop > row.prefilled])
+            done = row.prefilled
+            end = done + prefill_bounds(n - done, done, [stop - done for stop in row.prefill_stops])[1]  # one chunk
             with target.prompt_embeddings(row.embeddings):
                 logits, hidden = target.prefill(row.prompt_ids[row.prefilled:end], row.cache, tap=row.tap,
                                                 offset=row.prefilled)
@@ -226,13 +226,8 @@ class BatchLoop:
         out = []
         for b, (row, (cap, drafts, draft), txn) in enumerate(zip(rows, plans, txns)):
             k, ids = len(drafts), row.stats.ids
-            rows_k = row.sampler.process(logits[b, : k + 1], ids, verify[b, 1 : k + 1])  # row i after ids + drafts[:i]
-            if k == 0:
-                committed, n = [row.sampler.pick(rows_k[0]).item()], 0
-            elif row.sampler.greedy:
-                n, committed = accept_greedy(verify[b, 1 : k + 1], rows_k)
-            else:
-                n, committed = accept_sampled(verify[b, 1 : k + 1], draft.probs, rows_k, row.sampler)
+            n, committed, rows_k = accept_block(row.sampler, verify[b, 1 : k + 1], draft.probs if k else None,
+                                                logits[b, : k + 1], ids)
             txn.commit(n + 1)
             logprobs = row.sampler.logprobs(rows_k[: n + 1], committed)
             row.forwards += 1

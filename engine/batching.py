@@ -12,7 +12,7 @@ time, and each result says why (``GenerationResult.note``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.batch import BatchLoop, BatchRow
@@ -33,8 +33,7 @@ class Ticket:
     cancel: Callable[[], bool] | None = None
     on_error: Callable[[BaseException], None] | None = None
     done: bool = False
-    result: Any = None
-    chunks: list[Chunk] = field(default_factory=list)  # kept when no on_chunk was given
+    result: Any = None  # the GenerationResult, once it ended
 
 
 class Batcher:
@@ -72,11 +71,9 @@ class Batcher:
                        drafter=plan.drafter.fork() if plan.drafter is not None else None,
                        cap_policy=plan.cap_policy, eos_ids=out.eos, mode=plan.mode,
                        resume=prefix.resume if prefix else None, on_prefill=prefix.on_prefill if prefix else None,
-                       embeddings=plan.image.embeddings if plan.image is not None else None,
+                       embeddings=plan.embeddings,
                        prefill_stops=out.prefill_stops, stats=out.stats)
-        ticket = Ticket(out, row, on_chunk, cancel, on_error)
-        if on_chunk is None:
-            ticket.on_chunk = ticket.chunks.append
+        ticket = Ticket(out, row, on_chunk or _ignore, cancel, on_error)
         row.key = ticket
         self.tickets.append(ticket)
         self.loop.add(row)
@@ -135,3 +132,7 @@ class Batcher:
         self.loop.remove(ticket.row)
         if ticket in self.tickets:
             self.tickets.remove(ticket)
+
+
+def _ignore(chunk: Chunk) -> None:
+    """No one reads the chunks as they come (``generate_batch``): the ticket keeps the result."""

@@ -133,6 +133,11 @@ class RequestPlan:
     logprobs: bool = False  # the request asked for logprobs (the sampler computes them)
 
     @property
+    def embeddings(self) -> Callable[[int, int], Any] | None:
+        """The image prompt's input embeddings for its prefill (``Target.prompt_embeddings``)."""
+        return self.image.embeddings if self.image is not None else None
+
+    @property
     def cache_key(self) -> list[int]:
         """The prompt as the prefix cache keys it: an image prompt's placeholders stand for their
         images (ids derived from the image bytes), so another image never restores this one's rows."""
@@ -288,9 +293,8 @@ class Engine:
             if not prompt.strip():
                 raise TandemError("empty prompt: give some text to continue")
             if chat_template and getattr(self.tokenizer, "chat_template", None):
-                messages = ([{"role": "system", "content": system}] if system else []) + [
-                    {"role": "user", "content": prompt}]
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+                return list(self.tokenizer.apply_chat_template(_one_turn(prompt, system), add_generation_prompt=True,
+                                                               **kwargs))
             return list(self.tokenizer.encode(prompt))
         prompt = list(prompt)
         if not prompt:
@@ -307,7 +311,7 @@ class Engine:
         if not chat_template or not getattr(self.tokenizer, "chat_template", None):
             return None
         if isinstance(prompt, str):
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = _one_turn(prompt, system)
         elif prompt and isinstance(prompt[0], dict):
             messages = list(prompt)
         else:
@@ -450,9 +454,8 @@ class Engine:
         steps = decode(self.target, plan.drafter, plan.prompt_ids, plan.sampler, max_new_tokens=plan.max_new_tokens,
                        eos_ids=out.eos, cap_policy=plan.cap_policy, stats=out.stats, mode=plan.mode,
                        prefill_progress=prefill_progress, resume=prefix.resume if prefix else None,
-                       on_prefill=prefix.on_prefill if prefix else None, prefill_stops=out.prefill_stops)
-        if plan.image is not None:
-            steps = _prefilled_with(self.target, plan.image.embeddings, steps)
+                       on_prefill=prefix.on_prefill if prefix else None, prefill_stops=out.prefill_stops,
+                       prompt_embeddings=plan.embeddings)
         try:
             for new, event in steps:
                 chunks, ended = out.feed(new, event)
@@ -485,7 +488,7 @@ class Engine:
             raise vision.ImageError(refusal)
         if isinstance(prompt, str):
             parts = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": prompt}]
-            prompt = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": parts}]
+            prompt = _one_turn(parts, system)
         elif images:
             raise TandemError("pass images inside the chat messages (image content parts), not beside them")
         elif not prompt or not isinstance(prompt[0], dict):
@@ -534,17 +537,9 @@ def _has_images(prompt: Prompt) -> bool:
     return not isinstance(prompt, str) and has_images(prompt)
 
 
-def _prefilled_with(target: Target, embeddings: Callable[[int, int], Any], steps: Iterator) -> Iterator:
-    """``steps`` with the target's prefill reading an image prompt's embeddings (the first step)."""
-    try:
-        with target.prompt_embeddings(embeddings):
-            first = next(steps, None)
-        if first is None:
-            return
-        yield first
-        yield from steps
-    finally:
-        steps.close()
+def _one_turn(content: Any, system: str | None) -> list[dict]:
+    """A text prompt (or its content parts) as chat messages: the system prompt, then the user's."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
 
 def _use_history(drafter: Drafter | None, on: bool) -> None:

@@ -166,6 +166,19 @@ def accept_sampled(
     return n, drafts[:n].tolist() + [tok]
 
 
+def accept_block(sampler: Sampler, drafts: mx.array, draft_probs: mx.array | None, logits: mx.array,
+                 ids: Sequence[int]) -> tuple[int, list[int], mx.array]:
+    """One verify's acceptance: the rows as this request samples them (``Sampler.process``: row i
+    after ``ids`` + ``drafts[:i]``), then the greedy or speculative-sampling rule. Returns (n
+    accepted, committed tokens, the processed rows). No drafts: one plain step's token."""
+    rows = sampler.process(logits, ids, drafts)
+    if sampler.greedy:
+        n, committed = accept_greedy(drafts, rows)
+    else:
+        n, committed = accept_sampled(drafts, draft_probs, rows, sampler)
+    return n, committed, rows
+
+
 def _fit_vocab(q: mx.array, vocab: int) -> mx.array:
     """A drafter's vocabulary may be padded or shorter than the target's: widen with zeros
     (tokens the drafter cannot propose) or cut the padding (never proposed)."""

@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import mlx.core as mx
 
 from engine.drafters.base import Drafter, DrafterState
-from engine.sampling import Sampler, accept_greedy, accept_sampled
+from engine.sampling import Sampler, accept_block
 from engine.target import Target
 
 
@@ -143,6 +143,7 @@ def decode(
     resume: Resume | None = None,
     on_prefill: Callable[[int, list], None] | None = None,
     prefill_stops: Sequence[int] = (),
+    prompt_embeddings: Callable[[int, int], mx.array | None] | None = None,
 ) -> Iterator[tuple[list[int], RoundEvent]]:
     """Yield (new token ids, round event) per round until EOS or ``max_new_tokens``.
 
@@ -152,7 +153,8 @@ def decode(
     a cost model through it). ``on_prefill(n, cache)``: called when the caches hold the prompt's
     first n tokens (after a restore, after each prefill chunk), before anything else is written
     to them. ``prefill_stops``: prompt positions where a prefill chunk ends (and ``on_prefill``
-    is called) besides the usual ones.
+    is called) besides the usual ones. ``prompt_embeddings``: an image prompt's input embeddings
+    for its prefill (``Target.prompt_embeddings``).
     """
     clock = clock or time.perf_counter
     stats = stats if stats is not None else DecodeStats()
@@ -178,8 +180,9 @@ def decode(
 
     prefilled(0, len(prompt_ids) - cached)
     if cached < len(prompt_ids):
-        logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached,
-                                        stops=[s - cached for s in prefill_stops])
+        with target.prompt_embeddings(prompt_embeddings):
+            logits, hidden = target.prefill(prompt_ids[cached:], cache, tap=tap, progress=prefilled, offset=cached,
+                                            stops=[s - cached for s in prefill_stops])
     else:  # the whole prompt was restored, with the row after it
         logits, hidden = resume.logits, None
     stats.prompt_logits = logits
@@ -269,13 +272,9 @@ def decode(
         if pad:
             logits = logits[:width]
         drafts = verify_ids[1:width]
-        logits = sampler.process(logits, ids, drafts)  # row i after ids + drafts[:i]
-        if sampler.greedy:
-            n, committed = accept_greedy(drafts, logits)
-        else:
-            n, committed = accept_sampled(drafts, draft.probs if k else None, logits, sampler)
+        n, committed, rows = accept_block(sampler, drafts, draft.probs if k else None, logits, ids)
         txn.commit(n + 1)
-        logprobs = sampler.logprobs(logits[: n + 1], committed)
+        logprobs = sampler.logprobs(rows[: n + 1], committed)
         t_end = clock()
         ids.extend(committed)
         stats.cache_len = len(ids) - 1  # all but the new anchor

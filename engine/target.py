@@ -86,6 +86,14 @@ def _trunk(model: nn.Module) -> nn.Module:
     return inner
 
 
+def prefill_bounds(length: int, offset: int = 0, stops: Sequence[int] = (), chunk: int = PREFILL_CHUNK) -> list[int]:
+    """Where the prefill chunks of ``length`` prompt tokens after ``offset`` cached ones start and
+    end, counted from the first of them: at multiples of ``chunk`` from token 0 (so a restored
+    prefix leaves the boundaries of a prefill from token 0), at ``stops`` and at the end."""
+    first = min(length, chunk - offset % chunk)
+    return sorted({0, *range(first, length, chunk), *(s for s in stops if 0 < s < length), length})
+
+
 class Target:
     """A loaded mlx-lm model with the calls the verify loop needs."""
 
@@ -438,8 +446,7 @@ class Target:
         ids = list(ids)
         hiddens = []
         logits = None
-        first = min(len(ids), chunk - offset % chunk)
-        bounds = sorted({0, *range(first, len(ids), chunk), *(s for s in stops if 0 < s < len(ids)), len(ids)})
+        bounds = prefill_bounds(len(ids), offset, stops, chunk)
         for start, end in zip(bounds, bounds[1:]):
             part = mx.array([ids[start:end]])
             embeds = self._embeddings(offset + start, offset + end) if self._embeddings is not None else None

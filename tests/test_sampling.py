@@ -31,7 +31,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import engine.speculative as speculative
+import engine.sampling as sampling_rules
 from engine.drafters.base import Draft, Drafter
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.sampling import Sampler, SamplingParams, accept_sampled, target_probs
@@ -196,7 +196,7 @@ def _first_q_for_every_draft(drafts, draft_probs, target_logits, sampler):
 @pytest.mark.parametrize("broken", [_bonus_from_previous_row, _first_q_for_every_draft])
 def test_the_check_catches_a_broken_rule_at_later_positions(monkeypatch, broken):
     """The same check, on rules that are wrong only at draft positions >= 1, must fail."""
-    monkeypatch.setattr(speculative, "accept_sampled", broken)
+    monkeypatch.setattr(sampling_rules, "accept_sampled", broken)  # the rule the verify loop applies
     make_drafter, params = CASES["draft-model"]
     target, draft = models()
     tally = sample_paths(target, make_drafter(draft), params)

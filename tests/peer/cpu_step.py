@@ -36,7 +36,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import trim_prompt_cache
 
-from engine import platform, speculative
+from engine import platform, sampling
 from engine.api import load
 from engine.roofline import RooflineModel, measure_bandwidth
 
@@ -293,7 +293,7 @@ def attention_share(eng, args) -> None:
 
 def lookup_round(eng, target, args) -> None:
     spent = {"forward": 0.0}
-    real_forward, real_accept = target.forward, speculative.accept_greedy
+    real_forward, real_accept = target.forward, sampling.accept_greedy
 
     def timed_forward(*a, **kw):
         t0 = time.perf_counter()
@@ -312,7 +312,7 @@ def lookup_round(eng, target, args) -> None:
     copy = eng.encode(COPY)
     eng.generate(copy, mode="lookup", max_new_tokens=8)
     rows = []
-    target.forward, speculative.accept_greedy = timed_forward, timed_accept
+    target.forward, sampling.accept_greedy = timed_forward, timed_accept
     try:
         for rep in range(args.repeats):
             spent["forward"] = 0.0
@@ -323,7 +323,7 @@ def lookup_round(eng, target, args) -> None:
             forward_s = spent["forward"] - first[0]  # after the prefill's token, like decode_s
             rows.append((r.decode_s / rounds, forward_s / rounds, r.mean_accepted, r.decode_tps))
     finally:
-        target.forward, speculative.accept_greedy = real_forward, real_accept
+        target.forward, sampling.accept_greedy = real_forward, real_accept
     round_s, forward_s = med([x[0] for x in rows]), med([x[1] for x in rows])
     print(f"\n4. lookup on a copy prompt, {args.tokens * 2} tokens x {args.repeats} repeats (medians)")
     print(f"round {round_s * 1e3:.1f} ms = target forward (graph build + compute + sync) {forward_s * 1e3:.1f} ms + "
