@@ -248,13 +248,14 @@ class Handler(RequestHandler):
             srv.metrics.latency_observe(time.perf_counter() - t0)
 
     def _token_text(self, engine: Any) -> Callable[[int], str]:
-        """Token id -> its text, for logprobs (cached per request; the tokenizer under its lock)."""
+        """Token id -> its text, for logprobs (cached per request). Decoding only reads a settled
+        tokenizer (``_tokenizer``): no lock, so a long prompt rendered elsewhere never holds it up."""
         known: dict[int, str] = {}
+        tok = self._tokenizer(engine)
 
         def text(token: int) -> str:
             if token not in known:
-                with self.tandem.tokenizer_lock:
-                    known[token] = engine.tokenizer.decode([token])
+                known[token] = tok.decode([token])
             return known[token]
 
         return text
