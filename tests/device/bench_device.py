@@ -240,6 +240,31 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ concurrent
+def concurrent_part(args, dtype: str, deadline: float) -> dict:
+    """``tandem benchmark --concurrent N`` (issue 42's table): the starter with its drafter
+    (``--gguf``; arms lookup, dspark) or the pair's target with its draft model (``--target`` and
+    ``--draft``; arms lookup, draft), each at ``--caps``, batched against one after another."""
+    from engine.api import load
+    from engine.concurrent_bench import format_concurrent, run_concurrent
+    from engine.prompts import load_prompts
+
+    prompts = load_prompts(["chat", "code", "math"], max(args.prompts_per_class, args.concurrent))
+    if args.target:
+        eng, modes = load(args.target, dtype=dtype, draft_model=args.draft), ["lookup", "draft"]
+    else:
+        eng, modes = load(args.gguf, dtype=dtype), ["lookup", "dspark"]
+    if args.tiny:
+        quick_calibrations(eng, modes)
+    arms = B.make_arms(modes, B.parse_caps(args.caps))
+    t0 = time.time()
+    report = run_concurrent(eng, prompts, arms, concurrent=args.concurrent, max_new_tokens=args.max_new_tokens,
+                            trials=args.trials, progress=lambda d, t, s: log(f"  concurrent {d}/{t} {s}"))
+    report["seconds"] = round(time.time() - t0, 1)
+    log(format_concurrent(report))
+    return report
+
+
 # ------------------------------------------------------------------ random 8B
 class IdTokenizer:
     """Enough of a tokenizer for token-id prompts on random-weight targets."""
@@ -342,7 +367,7 @@ def per_dtype(args, out_dir: Path, part: str, run) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=("starter", "pair", "random8b", "storm"))
+    ap.add_argument("part", choices=("starter", "pair", "random8b", "storm", "concurrent"))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--gguf", default=None, help="the starter's GGUF file")
     ap.add_argument("--target", default=None, help="pair: the target's GGUF (Qwen2.5-Coder-1.5B)")
@@ -357,6 +382,7 @@ def main() -> int:
     ap.add_argument("--noise-floor", action="store_true", help="starter: a second baseline arm (A/A)")
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
+    ap.add_argument("--concurrent", type=int, default=4, help="concurrent: requests at once")
     ap.add_argument("--draft-caps", default="auto,4", help="pair: the draft model's caps")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
     ap.add_argument("--budget", type=float, default=560.0, help="seconds this call may spend (parts skip past it)")
@@ -365,7 +391,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="toy shapes and few tokens: a CPU dry run of this script")
     args = ap.parse_args()
     if args.dtypes is None:
-        args.dtypes = "bfloat16" if args.part == "pair" else "bfloat16,float16"
+        args.dtypes = "bfloat16" if args.part in ("pair", "concurrent") else "bfloat16,float16"
     if args.part == "storm":
         Path(args.json).write_text(json.dumps(storm(args.gguf, args.dtypes, args.max_new_tokens, args.prompt)))
         return 0
@@ -384,6 +410,13 @@ def main() -> int:
             return 2
         per_dtype(args, out_dir, "pair",
                   lambda dtype, share, saver: pair_part(args, dtype, share, lambda o: saver.put("pair", o)))
+    elif args.part == "concurrent":
+        name = "concurrent-pair" if args.target else "concurrent-starter"
+        missing = [f for f in ((args.target, args.draft) if args.target else (args.gguf,)) if not f or not Path(f).is_file()]
+        if missing:
+            log(f"no GGUF at {missing[0]!r}")
+            return 2
+        per_dtype(args, out_dir, name, lambda dtype, share, saver: concurrent_part(args, dtype, share))
     else:
         saver = Saver(out_dir / "bench-random8b.json")
         bits_list = [int(b) for b in args.bits.split(",")]

@@ -8,9 +8,12 @@
 #   keep      nothing more
 #   random8b  tests/device/bench_device.py random8b (Qwen3-8B shapes, random weights, bf16 + 4-bit)
 #   starter   tests/device/bench_device.py starter (the starter GGUF + its drafter, bf16 + fp16;
-#             STARTER_BENCH=0 only unpacks the GGUF, e.g. for --peer)
+#             STARTER_BENCH=0 only unpacks the GGUF, e.g. for --peer; STARTER_BENCH=concurrent runs
+#             bench_device.py concurrent instead: --concurrent N requests batched vs one after
+#             another, CONCURRENT_ARGS e.g. "--concurrent 4 --caps auto --trials 1")
 #   pair      tests/device/bench_device.py pair (Qwen2.5-Coder-1.5B target + 0.5B draft model;
-#             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3")
+#             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3";
+#             PAIR_BENCH=0 only keeps, PAIR_BENCH=concurrent runs the concurrent part on the pair)
 #   --peer    (no folder: a call of its own once the starter's has run) tests/peer/compare.py:
 #             Tandem beside mlx-dspark on the starter, PEER_ARGS e.g. "--dtype float16"
 # Results land in $OUT (JSON + logs). DRY=1: a CPU dry run here (KEEP/SITE/WORK/OUT under a temp
@@ -72,13 +75,20 @@ esac
 case "$action" in
   *starter*)
     unpack_starter
-    if [ "${STARTER_BENCH:-1}" = 0 ]; then say "starter staged (STARTER_BENCH=0: no benchmark)"
-    else say "starter benchmarks"; run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-}; fi ;;
+    case "${STARTER_BENCH:-1}" in
+      0) say "starter staged (STARTER_BENCH=0: no benchmark)" ;;
+      concurrent) say "starter, concurrent requests"
+        run concurrent --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${CONCURRENT_ARGS:-} ;;
+      *) say "starter benchmarks"; run starter --gguf "$gguf" --budget "${BUDGET_STARTER:-360}" ${STARTER_ARGS:-} ;;
+    esac ;;
 esac
 case "$action" in
   *pair*)
-    say "pair benchmarks"
-    run pair --target "$KEEP/qwen2.5-coder-1.5b.gguf" --draft "$KEEP/qwen2.5-coder-0.5b.gguf" \
-      --budget "${BUDGET_PAIR:-480}" ${PAIR_ARGS:-} ;;
+    pair=(--target "$KEEP/qwen2.5-coder-1.5b.gguf" --draft "$KEEP/qwen2.5-coder-0.5b.gguf" --budget "${BUDGET_PAIR:-480}")
+    case "${PAIR_BENCH:-1}" in
+      0) say "pair staged (PAIR_BENCH=0: no benchmark)" ;;
+      concurrent) say "pair, concurrent requests"; run concurrent "${pair[@]}" ${CONCURRENT_ARGS:-} ;;
+      *) say "pair benchmarks"; run pair "${pair[@]}" ${PAIR_ARGS:-} ;;
+    esac ;;
 esac
 say "done; files in $OUT:"; ls -la "$OUT"
