@@ -107,6 +107,7 @@ class BatchLoop:
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
         row.cap_policy = row.cap_policy or FixedCap(row.drafter.max_draft if row.drafter else 0)
+        _tell(row.cap_policy, "detach")  # learns on its own copy beside the other rows
         row.stats.prompt_tokens = len(row.prompt_ids)
         self.waiting.append(row)
         self._admit()
@@ -118,6 +119,7 @@ class BatchLoop:
         for group in (self.rows, self.waiting):
             if row in group:
                 group.remove(row)
+        _tell(row.cap_policy, "rejoin")
         self._admit()
 
     @property
@@ -210,7 +212,9 @@ class BatchLoop:
             if told is not None:
                 told(len(rows))
         plans = [self._propose(row) for row in rows]
-        width = max(len(d) for _, d, _ in plans) + 1
+        judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
+        width = batch_width(rows, plans, judge)
+        plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
         if width > 1:
             width = self.target.verify_width(width)
         verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
@@ -240,7 +244,9 @@ class BatchLoop:
             source = (draft.source or row.drafter.name) if k else ""
             out.append(self._emit(row, committed, k, n, cap, t_verify - t_round, t_end - t_verify, source, logprobs))
             now = self.clock()
-            row.cap_policy.observe(k, n, now - row.t_last)
+            # priced at the row's own width: the rest of a wider forward is the others' cost
+            share = judge.round_ms(k + 1) / judge.round_ms(width) if judge is not None and k + 1 < width else 1.0
+            row.cap_policy.observe(k, n, (now - row.t_last) * share)
             row.t_last = now
         return out
 
@@ -301,3 +307,49 @@ class BatchLoop:
                            len(row.prompt_ids) + row.generated, row.generated, draft_s, verify_s, row.mode,
                            drafted_by, None if logprobs is None else logprobs[: len(out)])
         return Emitted(row, out, event, reason is not None)
+
+
+def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], object]], judge: object | None) -> int:
+    """The verify width of one round. Every row of the forward pays the widest row's width, so
+    the drafts are cut where the whole batch expects the most tokens per ms (``judge``: a cap
+    controller at this batch's width prices the forward; each row's own controller says what
+    its first k drafts are worth). A row whose drafts may not be cut (a seeded request, a
+    parked request's probe, a fixed cap) sets the least width. Without a judge: the widest."""
+    widest = max(len(d) for _, d, _ in plans) + 1
+    if widest == 1 or len(rows) == 1 or judge is None:
+        return widest
+    least = max([1] + [len(d) + 1 for r, (_, d, _) in zip(rows, plans) if d and not _may_trim(r.cap_policy)])
+    if least == widest:
+        return widest
+
+    def worth(row: BatchRow, k: int) -> float:
+        return (row.cap_policy if hasattr(row.cap_policy, "expected_tokens") else judge).expected_tokens(k)
+
+    def rate(w: int) -> float:
+        return sum(worth(r, min(len(d), w - 1)) for r, (_, d, _) in zip(rows, plans)) / judge.round_ms(w)
+
+    return max(range(least, widest + 1), key=rate)  # the narrowest of equals
+
+
+def _may_trim(policy: object) -> bool:
+    trimmable = getattr(policy, "trimmable", None)
+    return trimmable is not None and trimmable()
+
+
+def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int) -> tuple[int, list[int], object]:
+    """``plan`` with at most ``most`` drafts; its cap policy hears of a cut (none: a plain step)."""
+    cap, drafts, draft = plan
+    if len(drafts) <= most:
+        return plan
+    row.cap_policy.trim(most)
+    if most == 0:
+        return 0, [], None
+    draft.tokens = draft.tokens[:most]
+    draft.probs = None if draft.probs is None else draft.probs[:most]
+    return most, drafts[:most], draft
+
+
+def _tell(policy: object, hook: str) -> None:
+    told = getattr(policy, hook, None)
+    if told is not None:
+        told()

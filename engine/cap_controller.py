@@ -5,6 +5,7 @@ with cheap probes) when rounds lose to plain steps. ``CapController``'s docstrin
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from engine.cost_model import Calibration, argmax_cap, best_cap, rates
@@ -194,6 +195,7 @@ class CapController:
         self._retime = not seeded and warm_plain > 0 and self._clear_win()
         self._warm = 0 if seeded or self._retime else warm_plain
         self._last_cap = 0
+        self._shared: LearnedState | None = None  # the engine's state while this request learns on a copy (detach)
         self.history: list[int] = []  # cap returned per round (telemetry, tests)
         if self.state.cap is None or self.state.cap > self.max_cap:
             self.state.cap = best_cap(cal, self.state.p, max_cap=self.max_cap, survival=self.survival(),
@@ -283,6 +285,46 @@ class CapController:
         if rows != self.rows and not self.seeded:
             self.rows = rows
             self.cal = self.one_row_cal.at_batch(rows)
+
+    def detach(self) -> None:
+        """This request decodes beside others (engine/batch.py): it learns on its own copy of the
+        engine's state (its spells, parking and probes are its own, and a request that joins
+        does not ``shrink`` the evidence of one in flight); ``rejoin`` hands it back."""
+        if self._shared is None:
+            self._shared, self.state = self.state, copy.deepcopy(self.state)
+
+    def rejoin(self) -> None:
+        """The request left the batch: what it learned becomes the engine's (the last to leave wins)."""
+        if self._shared is not None:
+            self._shared.__dict__.update(self.state.__dict__)
+            self.state, self._shared = self._shared, None
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a round verifying ``drafts`` drafts commits, by the learned per-position
+        acceptance (the accepted drafts and the target's own token after them)."""
+        tokens, reach = 1.0, 1.0
+        for a in self.acceptance()[1 : min(drafts, self.max_cap) + 1]:
+            reach *= a
+            tokens += reach
+        return tokens
+
+    def round_ms(self, width: int) -> float:
+        """A forward verifying ``width`` rows per sequence, at this batch's width (ms)."""
+        return self.corrected().verify(width)
+
+    def trimmable(self) -> bool:
+        """May the batch verify fewer of this round's drafts than the cap allowed? Not a seeded
+        request's (its caps must not depend on other requests), nor a probe (a parked request's
+        only way to see that its content started to pay)."""
+        return not self.seeded and not self._probing and self._last_cap > 0
+
+    def trim(self, cap: int) -> None:
+        """The batch verifies at most ``cap`` of this round's drafts (a width every row of the
+        forward pays); 0: the round became a plain step, timed as one."""
+        if 0 < cap < self._last_cap:
+            self._last_cap = cap
+        elif cap == 0 and self._last_cap > 0:
+            self._next(0)
 
     def cap(self) -> int:
         st = self.state

@@ -54,3 +54,85 @@ def test_calibration_measures_batched_verify_curves():
     for b, curve in cal.batch_verify_ms.items():
         assert len(curve) == len(cal.batch_widths) and all(ms > 0 for ms in curve)
     assert cal.at_batch(4).verify(1) > 0
+
+
+def _rows(policies_and_drafts):
+    """Rows (``batch_width`` reads their cap policies) and their plans (cap, drafts, Draft)."""
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(cap_policy=p) for p, _ in policies_and_drafts]
+    plans = [(len(d), list(d), None) for _, d in policies_and_drafts]
+    return rows, plans
+
+
+def _speculating(cal: Calibration, p: float, rows: int = 4, **kw) -> CapController:
+    policy = CapController(cal, 8, **kw)
+    policy.state.p = p
+    policy.batch_rows(rows)
+    policy._last_cap = 8  # as after cap() said 8
+    return policy
+
+
+def test_batch_width_cuts_drafts_the_batch_does_not_pay_for():
+    from engine.batch import batch_width
+    from engine.speculative import FixedCap
+
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    plain = [(FixedCap(0), [])] * 3
+    weak = _speculating(cal, 0.2)
+    rows, plans = _rows(plain + [(weak, [1] * 8)])
+    # one row's 8 weak drafts would make four rows pay a 9-wide forward: cut to a narrow one
+    assert batch_width(rows, plans, weak) <= 2
+    strong = [_speculating(cal, 0.95) for _ in range(4)]
+    rows, plans = _rows([(p, [1] * 8) for p in strong])
+    assert batch_width(rows, plans, strong[0]) > 4  # every row gains from the width
+    # the ratio it maximises, checked by hand over every width
+    def rate(w):
+        return sum(p.expected_tokens(min(8, w - 1)) for p in strong) / strong[0].round_ms(w)
+    assert batch_width(rows, plans, strong[0]) == max(range(1, 10), key=rate)
+    seeded = _speculating(cal, 0.2, seeded=True)
+    rows, plans = _rows(plain + [(weak, [1] * 8), (seeded, [1] * 5)])
+    assert batch_width(rows, plans, weak) == 6  # a seeded row's drafts are never cut
+    rows, plans = _rows([(FixedCap(8), [1] * 8), (weak, [1] * 8)])
+    assert batch_width(rows, plans, weak) == 9  # nor a fixed cap's
+    assert batch_width(rows, plans, None) == 9  # no controller to price the forward: the widest
+
+
+def test_a_cut_round_is_learned_at_the_cut_and_a_cut_to_nothing_is_a_plain_step():
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    policy = CapController(cal, 8)
+    policy.state.cap = 8
+    assert policy.cap() == 8 and policy.trimmable()
+    policy.trim(3)
+    policy.observe(3, 3, 0.02)  # all three accepted: censored at the cut, not a natural length of 3
+    assert policy.state.events[3] == 0 and policy.state.at_risk[2] > 0
+    assert policy.cap() == 8
+    policy.trim(0)
+    rounds = policy.state.rounds
+    policy.observe(0, 0, 0.01)
+    assert policy.state.rounds == rounds  # a plain step, not a round
+    parked = CapController(cal, 8)
+    parked.state.parked, parked.state.since_probe = True, 10**6
+    assert parked.cap() > 0 and not parked.trimmable()  # a probe is never cut
+
+
+def test_rows_learn_on_their_own_state_and_hand_it_back():
+    from engine.batch import BatchLoop, BatchRow
+    from engine.cap_controller import LearnedState
+    from engine.sampling import Sampler, SamplingParams
+
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    shared = LearnedState()
+    first, second = CapController(cal, 8, state=shared), CapController(cal, 8, state=shared)
+    eng = make_tiny_engine("llama")
+    loop = BatchLoop(eng.target, max_batch=2)
+    rows = [loop.add(BatchRow([1, 2, 3], Sampler(SamplingParams()), 4, cap_policy=p)) for p in (first, second)]
+    assert first.state is not shared and second.state is not shared and first.state is not second.state
+    first.state.p = 0.123
+    second.state.p = 0.456
+    loop.remove(rows[0])
+    assert first.state is shared and shared.p == 0.123
+    shared.shrink()  # a new request's start does not touch the one still in flight
+    assert second.state.p == 0.456
+    loop.remove(rows[1])
+    assert second.state is shared and shared.p == 0.456
