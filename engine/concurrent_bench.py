@@ -74,6 +74,7 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
     arrived: list[float] = [0.0] * len(group)
     first: list[float | None] = [None] * len(group)
     ended: list[float] = [0.0] * len(group)
+    ticks: list[float] = []
     t0 = time.perf_counter()
     pending = list(range(len(group)))
     while pending or batcher.busy:
@@ -90,7 +91,10 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
 
             tickets[i] = batcher.submit(group[i], on_chunk=on_chunk, **_kwargs(arm, max_new_tokens))
         if batcher.busy:
+            t_tick = time.perf_counter()
             batcher.step()
+            if batcher.loop.last_width:  # a tick that ran a round (not only a prefill chunk)
+                ticks.append(time.perf_counter() - t_tick)
         elif pending:
             time.sleep(max(0.0, t0 + pending[0] * arrival_s - time.perf_counter()))
     results = [t.result for t in tickets]
@@ -98,7 +102,18 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
     ttft = [(f or e) - a for f, e, a in zip(first, ended, arrived)]
     summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
     summary["batch_width"] = max(r.batch_width for r in results)
+    summary["round_p50_s"] = _percentile(ticks, 0.5)
+    summary["ttft_s"] = ttft
     return summary, results
+
+
+def late_arrival(sequential: list["GenerationResult"], batched: dict) -> dict:
+    """The last request joins others already decoding: its first token should come within its
+    own prefill time (alone) plus two of the batch's rounds."""
+    budget = sequential[-1].prefill_s + 2 * batched["round_p50_s"]
+    ttft = batched["ttft_s"][-1]
+    return {"ttft_s": ttft, "prefill_alone_s": sequential[-1].prefill_s, "round_p50_s": batched["round_p50_s"],
+            "within_prefill_plus_two_rounds": ttft <= budget}
 
 
 def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, concurrent: int,
@@ -147,6 +162,8 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
             seq, bat = best["sequential"][0], best["batched"][0]
             entry["classes"][cls] = {"sequential": seq, "batched": bat,
                                      "batched_vs_sequential": bat["tok_s"] / seq["tok_s"] if seq["tok_s"] else None}
+            if arrival_s > 0:
+                entry["classes"][cls]["late_arrival"] = late_arrival(best["sequential"][1], bat)
         entry["tok_s"] = statistics.mean(c["batched"]["tok_s"] for c in entry["classes"].values())
         entry["sequential_tok_s"] = statistics.mean(c["sequential"]["tok_s"] for c in entry["classes"].values())
         entry["batched_vs_sequential"] = entry["tok_s"] / entry["sequential_tok_s"] if entry["sequential_tok_s"] else None
@@ -171,6 +188,12 @@ def format_concurrent(report: dict) -> str:
             lines.append(f"{name:<16}{cls:<8}{seq['tok_s']:>10.1f}{bat['tok_s']:>12.1f}"
                          f"{c['batched_vs_sequential']:>7.2f}{arm['vs_batched_baseline'][cls]:>15.2f}"
                          f"{bat['latency_p50_s']:>8.2f}s{bat['latency_p95_s']:>8.2f}s{bat['ttft_p95_s']:>9.2f}s")
+    late = [(name, cls, c["late_arrival"]) for name, arm in report["arms"].items()
+            for cls, c in arm["classes"].items() if "late_arrival" in c]
+    if late:
+        lines.append("last arrival's first token (its prefill alone + 2 rounds): " + ", ".join(
+            f"{name} {cls} {x['ttft_s']:.2f}s ({x['prefill_alone_s']:.2f}+2x{x['round_p50_s']:.3f}s: "
+            f"{'ok' if x['within_prefill_plus_two_rounds'] else 'late'})" for name, cls, x in late))
     lines.append("lossless: " + ("yes" if report["lossless"] else "NO: " + "; ".join(
         f"{d['arm']} {d['cls']}#{d['prompt']}" for d in report["divergences"] if not d["near_tie"])))
     return "\n".join(lines)

@@ -381,6 +381,9 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
             assert c["batched"]["batch_width"] == 3 and c["batched"]["tokens"] == c["sequential"]["tokens"]
             assert c["batched"]["latency_p95_s"] >= c["batched"]["latency_p50_s"] > 0
             assert 0 < c["batched"]["ttft_p50_s"] <= c["batched"]["latency_p50_s"]
+            late = c["late_arrival"]  # the last request joined the others mid-flight (5 ms apart)
+            assert late["ttft_s"] == c["batched"]["ttft_s"][-1] > 0 and late["round_p50_s"] > 0
+            assert isinstance(late["within_prefill_plus_two_rounds"], bool)
     assert report["arms"]["baseline"]["vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
     assert "lookup@auto" in format_concurrent(report)
 
