@@ -20,7 +20,8 @@ from engine.generate import Chunk, Engine, Prompt, RequestOutput, RoundEvent
 
 log = logging.getLogger("tandem.batch")
 
-DEFAULT_MAX_BATCH = 4
+DEFAULT_MAX_BATCH = 4  # without a calibration of the target's batched forwards
+BATCH_GAIN = 1.15  # a wider batch is the default only while its plain steps' aggregate rate grows this much
 
 
 @dataclass
@@ -136,3 +137,25 @@ class Batcher:
 
 def _ignore(chunk: Chunk) -> None:
     """No one reads the chunks as they come (``generate_batch``): the ticket keeps the result."""
+
+
+def default_max_batch(engine: Engine) -> int:
+    """``--max-batch`` when not given: the widest batch that this machine's cached calibration of
+    the target (``tandem calibrate``, or the first ``--max-draft auto`` request) shows raising
+    the aggregate rate of plain steps by ``BATCH_GAIN`` over the next narrower one measured;
+    ``DEFAULT_MAX_BATCH`` without one."""
+    from engine.calibrate import target_calibrations
+
+    measured = [c for c in target_calibrations(engine) if c.batch_verify_ms]
+    return widest_paying_batch(measured[-1]) if measured else DEFAULT_MAX_BATCH
+
+
+def widest_paying_batch(cal: Any) -> int:
+    """The widest measured batch whose rows-per-ms of plain steps beats the narrower's by ``BATCH_GAIN``."""
+    best, rate = 1, 1.0 / cal.verify(1)
+    for rows in sorted(int(b) for b in cal.batch_verify_ms):
+        wider = rows / cal.at_batch(rows).verify(1)
+        if wider < rate * BATCH_GAIN:
+            break
+        best, rate = rows, wider
+    return best

@@ -172,15 +172,19 @@ def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
 KEY_FIELDS = ("schema", "device", "mlx", "backend", "precision", "target", "drafter", "context")
 
 
-def key_fields(engine: EngineLike, mode: str, drafter: Drafter, context: int = CONTEXT) -> dict:
+def _target_fields(engine: EngineLike) -> dict:
+    """The key fields that name this machine and target (the first ones of ``KEY_FIELDS``)."""
     from engine import platform
 
     return {
         "schema": SCHEMA, "device": platform.device_name(), "mlx": mx.__version__,
         "backend": "+".join(filter(None, (platform.backend(), platform.skinny_label()))),  # cheaper narrow forwards
         "precision": model_precision(engine.target.model), "target": _target_id(engine),
-        "drafter": _drafter_id(engine, mode, drafter), "context": context,
     }
+
+
+def key_fields(engine: EngineLike, mode: str, drafter: Drafter, context: int = CONTEXT) -> dict:
+    return {**_target_fields(engine), "drafter": _drafter_id(engine, mode, drafter), "context": context}
 
 
 def cache_key(fields: dict) -> str:
@@ -210,6 +214,21 @@ def load_cached(key: str) -> Calibration | None:
         return None
     cal.from_cache = True
     return cal
+
+
+def target_calibrations(engine: EngineLike) -> list[Calibration]:
+    """This machine's cached calibrations of ``engine``'s target, whatever the drafter (their
+    target curves, batched ones included, are the target's)."""
+    fields = _target_fields(engine)
+    prefix = "|".join(f"{name}={fields[name]}" for name in KEY_FIELDS if name in fields) + "|"
+    found = []
+    for key, entry in _read_cache().get("entries", {}).items():
+        if key.startswith(prefix) and isinstance(entry, dict):
+            try:
+                found.append(Calibration.from_dict(entry))
+            except TypeError:
+                continue
+    return found
 
 
 def save(cal: Calibration) -> Path:

@@ -136,3 +136,31 @@ def test_rows_learn_on_their_own_state_and_hand_it_back():
     assert second.state.p == 0.456
     loop.remove(rows[1])
     assert second.state is shared and shared.p == 0.456
+
+
+def test_max_batch_default_is_the_widest_batch_that_still_pays():
+    from engine.batching import BATCH_GAIN, widest_paying_batch
+
+    # memory-bound: an extra row costs 0.2 ms of a 10 ms step, every doubling nearly doubles the rate
+    assert widest_paying_batch(batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=0.2)) == 8
+    # compute-bound: an extra row costs a whole step, no batch pays
+    assert widest_paying_batch(batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=10.0)) == 1
+    # in between: 2 rows pay, 4 no longer by BATCH_GAIN over 2
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=6.0)
+    rate = {b: b / cal.at_batch(b).verify(1) for b in (1, 2, 4)}
+    assert rate[2] >= BATCH_GAIN * rate[1] and rate[4] < BATCH_GAIN * rate[2]
+    assert widest_paying_batch(cal) == 2
+
+
+def test_server_max_batch_comes_from_the_targets_calibration(tmp_path, monkeypatch):
+    from engine.batching import DEFAULT_MAX_BATCH, default_max_batch, widest_paying_batch
+    from engine.calibrate import target_calibrations
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))  # a machine that calibrated nothing yet
+    eng = make_tiny_engine("gemma3")
+    assert target_calibrations(eng) == [] and default_max_batch(eng) == DEFAULT_MAX_BATCH
+    cal = calibrate(eng, "lookup", recalibrate=True, passes=1, context=64, overhead_rounds=2)
+    (cached,) = target_calibrations(eng)
+    assert cached.batch_verify_ms == cal.batch_verify_ms
+    assert default_max_batch(eng) == widest_paying_batch(cal)
+    assert target_calibrations(make_tiny_engine("llama")) == []  # another target's are not its own

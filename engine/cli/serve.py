@@ -77,9 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse prompts longer than this (default: the model's max_position_embeddings)")
     p.add_argument("--served-name", default=None, help="the model name /v1/models reports (default: the model's)")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while waiting")
-    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH, metavar="N",
-                   help=f"requests decoding together, each speculating on its own (default {DEFAULT_MAX_BATCH}; "
-                        "1: one at a time)")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="requests decoding together, each speculating on its own (default: the widest batch this "
+                        f"machine's calibration of the model shows paying, else {DEFAULT_MAX_BATCH}; 1: one at a time)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help=f"requests waiting for the engine before new ones get 503 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--no-thinking", action="store_true",
@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.max_batch < 1 or args.max_queue < 1:
+    if (args.max_batch is not None and args.max_batch < 1) or args.max_queue < 1:
         raise TandemError(f"--max-batch and --max-queue must be at least 1, got {args.max_batch} and {args.max_queue}")
     if args.default_max_tokens < 1:
         raise TandemError(f"--max-tokens must be at least 1, got {args.default_max_tokens}")

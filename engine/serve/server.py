@@ -74,7 +74,7 @@ class ServerConfig:
     model_name: str | None = None  # None: the engine's name
     allow_hosts: tuple[str, ...] = ()  # Host names answered besides localhost and the bound address
     allow_origins: tuple[str, ...] = ()  # browser Origins served (with CORS headers); none by default
-    max_batch: int = 1  # requests decoding together (continuous batching); 1: one at a time
+    max_batch: int | None = 1  # requests decoding together (continuous batching); 1: one at a time; None: calibrated
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond it get 503 with Retry-After
     allow_image_urls: bool = False  # fetch http(s) image URLs named in requests (off: data URLs only)
     thinking: bool | None = None  # enable_thinking for templates with the switch unless a request says; None: theirs

@@ -69,11 +69,11 @@ class JobRunner:
     ``on_event`` (the driving thread) gets the dicts ``/events`` publishes: request, round, result, error.
     """
 
-    def __init__(self, events: EventHub, metrics: Metrics, max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE,
+    def __init__(self, events: EventHub, metrics: Metrics, max_batch: int | None = 1, max_queue: int = DEFAULT_MAX_QUEUE,
                  *, wake: Callable[[], None] | None = None, on_event: Callable[[dict], None] | None = None):
         self.events = events
         self.metrics = metrics
-        self.max_batch = max(1, int(max_batch))
+        self.max_batch = None if max_batch is None else max(1, int(max_batch))  # None: from the calibration
         self.max_queue = max(1, int(max_queue))
         self.wake = wake
         self.on_event = on_event
@@ -91,6 +91,11 @@ class JobRunner:
         with the host's own requests), else through a new one when ``max_batch`` > 1."""
         self.engine = engine
         self.batcher = batcher
+        if self.max_batch is None:
+            from engine.batching import default_max_batch
+
+            self.max_batch = default_max_batch(engine)
+            log.info("--max-batch %d (this machine's calibration of the model, else the default)", self.max_batch)
         if batcher is None and self.max_batch > 1:
             from engine.batching import Batcher
 
@@ -254,7 +259,7 @@ class EngineWorker(JobRunner, threading.Thread):
     the jobs: batched with ``max_batch`` > 1, else one at a time."""
 
     def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics,
-                 max_batch: int = 1, max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_batch: int | None = 1, max_queue: int = DEFAULT_MAX_QUEUE):
         JobRunner.__init__(self, events, metrics, max_batch, max_queue)
         threading.Thread.__init__(self, name="tandem-engine", daemon=True)
         self.factory = engine_factory
