@@ -44,6 +44,9 @@ from engine.speculative import (
 from engine.target import Target, prefill_bounds
 
 
+CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
+
+
 @dataclass
 class BatchRow:
     """One sequence of a batch: its plan (sampler, drafter, cap policy) and its state."""
@@ -342,7 +345,8 @@ def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int) -> t
     if len(drafts) <= most:
         return plan
     row.cap_policy.trim(most)
-    if most == 0:
+    if most == 0:  # plain steps for a while: drafting again at once would likely be cut again
+        row.run_left, row.run_stop = CUT_RUN, None
         return 0, [], None
     draft.tokens = draft.tokens[:most]
     draft.probs = None if draft.probs is None else draft.probs[:most]

@@ -164,3 +164,40 @@ def test_server_max_batch_comes_from_the_targets_calibration(tmp_path, monkeypat
     assert cached.batch_verify_ms == cal.batch_verify_ms
     assert default_max_batch(eng) == widest_paying_batch(cal)
     assert target_calibrations(make_tiny_engine("llama")) == []  # another target's are not its own
+
+
+def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
+    """Three rows on a real target: two plain, one whose controller (acceptance 0.2) drafts 8
+    tokens each round on a machine where each extra row-width costs a whole step. The batch
+    verifies none of them (every forward is one row wide) and the row's answer is its greedy one."""
+    from engine.batch import BatchLoop, BatchRow
+    from engine.sampling import Sampler, SamplingParams
+    from engine.speculative import FixedCap
+    from tests.tiny import FixedDrafter
+
+    eng = make_tiny_engine("llama")
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=10.0)
+    weak = CapController(cal, 8)
+    weak.state.p, weak.state.cap = 0.2, 8
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    widths = []
+    verify_rows = eng.target.verify_rows
+
+    def recording(ids, row_caches, **kw):
+        widths.append(int(ids.shape[1]))
+        return verify_rows(ids, row_caches, **kw)
+
+    eng.target.verify_rows = recording
+    loop = BatchLoop(eng.target, max_batch=3)
+    rows = [loop.add(BatchRow(p, Sampler(SamplingParams()), 12, cap_policy=FixedCap(0))) for p in prompts[:2]]
+    rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), 12, drafter=FixedDrafter([1] * 8),
+                                  cap_policy=weak)))
+    tokens = {id(r): [] for r in rows}
+    while loop.busy:
+        for e in loop.step():
+            tokens[id(e.row)].extend(e.tokens)
+    del eng.target.verify_rows
+    assert widths and set(widths) == {1}  # no forward carried the weak drafts
+    assert all(d == 0 for d, _ in rows[2].stats.rounds) and weak.history[0] == 8
+    for r, p in zip(rows, prompts):
+        assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=12, prefix_cache=False).token_ids
