@@ -17,11 +17,11 @@ All servers are up at once and every trial runs each arm's two passes (``concurr
 requests from one thread each at the same moment; ``sequential``: one after another) in a rotated
 order, so a busy machine slows every arm alike (``--one-by-one``: one server at a time, less
 memory). Reported per arm: aggregate tok/s (the replies' ``usage.completion_tokens`` over the wall
-seconds from the first request to the last reply, tokens past ``max_tokens`` not counted: the peer's
-DSpark can commit a few; median over trials), concurrent / sequential
-and Tandem / peer concurrent (medians of per-trial ratios), median latency, and whether the
-concurrent answers equal the same server's sequential ones and the engine's baseline (greedy:
-they should; a mismatch is reported, not fatal). Not collected by pytest (no ``test_`` prefix).
+seconds from the first request to the last reply, median over trials; tokens past ``max_tokens``,
+which the peer's DSpark can commit, not counted), concurrent / sequential and Tandem / peer
+concurrent (medians of per-trial ratios), median latency, and whether the answers equal the same
+server's first sequential ones and the engine's baseline (greedy: they should; a mismatch is
+reported, not fatal). Not collected by pytest (no ``test_`` prefix).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class Reply:
     reported_tokens: int  # as the server said
     latency_s: float
     text: str
-    x: dict  # the server's own note on the request (Tandem's x_tandem), if any
+    x: dict  # from the server's own note on the request (x_tandem, x_mlx_dspark): mode, batch width
 
 
 @dataclass
@@ -205,7 +205,7 @@ def chat(server: Server, text: str, max_tokens: int, timeout_s: float) -> Reply:
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"{server.spec.name}: HTTP {e.code}: {e.read()[:300]!r}") from None
     latency = time.perf_counter() - t0
-    x = out.get("x_tandem") or {}
+    x = out.get("x_tandem") or out.get("x_mlx_dspark") or {}  # each engine's note on the request
     # The peer's DSpark commits a round's accepted draft whole, past max_tokens: those tokens
     # were not asked for, and every engine is credited the same budget.
     reported = int(out["usage"]["completion_tokens"])
@@ -244,12 +244,6 @@ def run_pass(server: Server, texts: list[str], max_tokens: int, concurrent: bool
 
 
 # ------------------------------------------------------------------ the run
-def arm_order(n: int, trial: int) -> list[int]:
-    from engine.benchmark import arm_order as rotated
-
-    return rotated(n, trial, 0, 1)
-
-
 def calibrate(folder: Path, modes: set[str], logs: Path) -> None:
     """Tandem's calibration of the pair, made once and cached, so its servers start from it."""
     for mode in sorted(modes - {"baseline"}):
@@ -265,6 +259,8 @@ def calibrate(folder: Path, modes: set[str], logs: Path) -> None:
 def run_group(specs: list[ArmSpec], folder: Path, texts: list[str], args: argparse.Namespace, logs: Path,
               done: list[Server]) -> None:
     """Start these arms' servers, run every trial of their passes interleaved, stop them."""
+    from engine.benchmark import arm_order
+
     servers: list[Server] = []
     try:
         for spec in specs:  # one at a time: loads and calibration probes must not overlap
@@ -277,13 +273,13 @@ def run_group(specs: list[ArmSpec], folder: Path, texts: list[str], args: argpar
             print(f"  ready in {time.perf_counter() - started:.0f} s (log {server.log})", file=sys.stderr)
         units = [(s, p) for s in servers for p in PASSES]
         for trial in range(args.trials):
-            for server, name in (units[i] for i in arm_order(len(units), trial)):
+            for server, name in (units[i] for i in arm_order(len(units), trial, 0, 1)):
                 result = run_pass(server, texts, args.max_tokens, name == "concurrent", args.request_timeout)
                 server.passes[name].append(result)
                 print(f"  trial {trial + 1}/{args.trials} {server.spec.name} {name}: {result.tok_s:.1f} tok/s",
                       file=sys.stderr, flush=True)
         done.extend(servers)
-    except BaseException:
+    except Exception:
         for server in servers:
             if not server.alive() or server is servers[-1]:
                 print(f"--- {server.spec.name} ({server.log}), last lines:\n{log_tail(server)}", file=sys.stderr)
@@ -328,7 +324,8 @@ def summarize(servers: list[Server], n_requests: int) -> list[dict]:
             "concurrent_mismatches": mismatches(reference, conc),
             "sequential_mismatches": mismatches(reference, seq[1:]),
             "answers_checked": n_requests * (len(conc) + len(seq) - 1),
-            "baseline_mismatches": None if base is None else mismatches(texts_of(base.passes["sequential"][0]), seq[:1]),
+            "baseline_mismatches": None if base is None else mismatches(texts_of(base.passes["sequential"][0]),
+                                                                          seq[:1]),
             "vs_peer_concurrent": None if peer is None else statistics.median(
                 a.tok_s / b.tok_s for a, b in zip(conc, peer.passes["concurrent"]) if b.tok_s),
             "answers": reference,
@@ -358,10 +355,10 @@ def print_table(rows: list[dict], n_requests: int) -> None:
         ratio = statistics.median(best_ours["concurrent_tok_s"]) / statistics.median(best_peer["concurrent_tok_s"])
         print(f"\nTandem's best batched arm ({best_ours['arm']}) / the peer's best ({best_peer['arm']}), "
               f"concurrent: {ratio:.2f}x (issue 42's target: >= 2x)")
-    print("tok/s: completion tokens (at most max_tokens each) / wall seconds of the pass, median over trials; conc/seq and vs peer (the peer "
-          "arm of the same mode and --max-batch): medians of per-trial ratios; p50 lat: median request latency "
-          "at once; conc = seq: every answer equals the server's first sequential answer; = baseline: the first "
-          "sequential answers equal the engine's baseline b1 server's")
+    print("tok/s: completion tokens (at most max_tokens each) / wall seconds of the pass, median over trials; "
+          "conc/seq and vs peer (the peer arm of the same mode and --max-batch): medians of per-trial ratios; "
+          "p50 lat: median request latency at once; conc = seq: every answer equals the server's first "
+          "sequential answer; = baseline: the first sequential answers equal the engine's baseline server's (b1 where run)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,8 +408,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the finally blocks: servers stop
 
     folder = model_folder()
-    if "tandem" in engines and not args.no_calibrate:
-        calibrate(folder, set(modes), logs)
     specs = [ArmSpec(e, m, b) for e in engines for m in modes for b in batches]
     print(f"model {folder} | {len(texts)} requests ({args.classes}) x {args.trials} trials, max_tokens "
           f"{args.max_tokens}, temperature 0 | peer python {args.peer_python} | logs {logs}", file=sys.stderr)
@@ -420,8 +415,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: absolute figures are "
               "noisy, ratios less so", file=sys.stderr)
     servers: list[Server] = []
-    for group in ([[s] for s in specs] if args.one_by_one else [specs]):
-        run_group(group, folder, texts, args, logs, servers)
+    try:
+        if "tandem" in engines and not args.no_calibrate:
+            calibrate(folder, set(modes), logs)
+        for group in ([[s] for s in specs] if args.one_by_one else [specs]):
+            run_group(group, folder, texts, args, logs, servers)
+    except RuntimeError as e:  # a server that would not start or answer (its log's tail is above), a calibration
+        print(f"serve_compare: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"serve_compare: interrupted; the servers are stopped (logs {logs})", file=sys.stderr)
+        return 130
     rows = summarize(servers, len(texts))
     print(f"\nmodel {folder}: {len(texts)} requests ({args.classes}), max_tokens {args.max_tokens}, greedy, "
           f"{args.trials} trials{', one server at a time' if args.one_by_one else ', arms interleaved'}")
@@ -429,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         report = {"model": str(folder), "drafter": str(DRAFTER), "prompts": texts, "max_tokens": args.max_tokens,
                   "trials": args.trials, "one_by_one": args.one_by_one, "max_draft": args.max_draft,
-                  "peer_skinny": args.peer_skinny, "tandem_skinny": not args.tandem_no_skinny, "load_average": os.getloadavg()[0], "arms": rows}
+                  "peer_skinny": args.peer_skinny, "tandem_skinny": not args.tandem_no_skinny,
+                  "load_average": os.getloadavg()[0], "arms": rows}
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
