@@ -358,7 +358,8 @@ def print_table(rows: list[dict], n_requests: int) -> None:
     print("tok/s: completion tokens (at most max_tokens each) / wall seconds of the pass, median over trials; "
           "conc/seq and vs peer (the peer arm of the same mode and --max-batch): medians of per-trial ratios; "
           "p50 lat: median request latency at once; conc = seq: every answer equals the server's first "
-          "sequential answer; = baseline: the first sequential answers equal the engine's baseline server's (b1 where run)")
+          "sequential answer; = baseline: the first sequential answers equal the engine's baseline server's "
+          "(b1 where run)")
 
 
 def main(argv: list[str] | None = None) -> int:
