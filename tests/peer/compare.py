@@ -21,6 +21,9 @@ first over their decode seconds, prefill excluded), Tandem/peer (median of per-t
 committed tokens per verify round, and whether every run's tokens equal that engine's own
 baseline (``yes``, ``yes, N ties`` for flips within the float rounding, or ``NO``; and the two
 baselines each other). Not collected by pytest (no ``test_`` prefix).
+
+``serve_compare.py`` beside it compares the two engines' servers instead (``tandem serve`` and
+``mlx-dspark serve``, each with ``--max-batch``): the same requests at once and one after another.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DRAFTER = ROOT / "resources" / "drafters" / "smollm2-135m-dspark"
 MODES = ("baseline", "lookup", "dspark")
 ENGINES = ("tandem", "peer")
+PEER_PYTHON = "/work/peer-venv/bin/python"  # the peer's own virtualenv, where there is one
 
 # A few prompts per class, used when the product ships no prompt set (resources/prompts).
 PROMPTS = {
@@ -102,16 +106,23 @@ def model_folder(gguf: str | None = None, dtype: str | None = None) -> Path:
     return out
 
 
+def peer_env(lend_skinny: bool, path: str | None = None) -> dict[str, str]:
+    """The environment a peer process runs in: its own packages, Tandem's skinny matmuls off
+    unless lent (it adds the repository to its path itself, for ``engine``'s OpenBLAS preload)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)  # its own site-packages only
+    if path:  # a machine without a virtualenv for it: the folder its packages were installed into
+        env["PYTHONPATH"] = path
+    if not lend_skinny:
+        env["TANDEM_NO_SKINNY"] = "1"
+    return env
+
+
 class Peer:
     """The mlx-dspark worker process: one JSON request, one JSON reply."""
 
     def __init__(self, python: str, lend_skinny: bool, path: str | None = None):
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # its own site-packages only; the worker adds the repo for `engine`
-        if path:  # a machine without a virtualenv for it: the folder its packages were installed into
-            env["PYTHONPATH"] = path
-        if not lend_skinny:
-            env["TANDEM_NO_SKINNY"] = "1"
+        env = peer_env(lend_skinny, path)
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("peer_worker.py"))], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-class", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--peer-python", default="/work/peer-venv/bin/python")
+    p.add_argument("--peer-python", default=PEER_PYTHON)
     p.add_argument("--peer-path", default=None,
                    help="PYTHONPATH for the peer worker (its packages installed with pip --target)")
     p.add_argument("--gguf", default=None, help="the target GGUF (default: the starter)")
