@@ -12,6 +12,9 @@ from engine.speculative import CapPolicy
 
 # Fixed caps used when no calibration is asked for (--max-draft omitted).
 DEFAULT_CAPS = {"lookup": 16, "draft": 4}
+# --mode auto puts earlier requests' continuations before a model drafter's guess when the history
+# expects at least this many of its tokens accepted (``history_first``).
+HISTORY_FIRST_SCORE = 3.0
 BLOCK_MODES = ("dspark", "dflash")
 CHECKPOINT_MODES = (*BLOCK_MODES, "eagle3")  # a drafter folder (--drafter or a registry row)
 
@@ -84,6 +87,24 @@ def _behind_lookup(engine: EngineLike, drafter: Drafter, row: dict | None) -> Dr
 
         return LookupFirst(drafter, LookupDrafter(history=getattr(engine, "suffix_index", None)))
     return drafter
+
+
+def history_first(engine: EngineLike, drafter: Drafter | None) -> Drafter | None:
+    """What --mode auto runs for a model drafter that no lookup stands in front of: the history of
+    earlier requests first, where it expects ``HISTORY_FIRST_SCORE`` accepted tokens or more (an
+    agent's repeated tool output, a file quoted again), else the model drafter. Nothing else of
+    lookup: in-context lookup in front was measured per pair (the registry's ``lookup_first``).
+    ``drafter`` itself when there is no history, no model drafter, a lookup in front already, or
+    the user turned lookup-first off."""
+    if (drafter is None or not drafter.has_model or hasattr(drafter, "lookup")
+            or getattr(engine, "suffix_index", None) is None or engine.lookup_first is False):
+        return drafter
+    from engine.drafters.lookup import LookupDrafter
+    from engine.drafters.lookup_first import LookupFirst
+
+    lookup = LookupDrafter(max_draft=DEFAULT_CAPS["lookup"], history=engine.suffix_index, context=False,
+                           min_history_score=HISTORY_FIRST_SCORE)
+    return LookupFirst(drafter, lookup)
 
 
 def block_drafter(engine: EngineLike, mode: str) -> Drafter:
