@@ -139,11 +139,11 @@ class SuffixIndex:
         for sid, seq in list(self._seqs.items()):
             if seq[0] != tokens[0]:
                 continue
-            if len(seq) <= len(tokens) and tokens[len(seq) - 1] == seq[-1] and tokens[: len(seq)] == seq:
-                self._drop(sid)  # this one extends it
-            elif len(seq) > len(tokens) and tokens == seq[: len(tokens)]:  # already known
+            if len(seq) >= len(tokens) and tokens == seq[: len(tokens)]:  # already known
                 self._seqs.move_to_end(sid)
                 return
+            if len(seq) < len(tokens) and tokens[len(seq) - 1] == seq[-1] and tokens[: len(seq)] == seq:
+                self._drop(sid)  # this one extends it
         sid, self._next = self._next, self._next + 1
         self._seqs[sid] = tokens
         self.tokens += len(tokens)
