@@ -14,8 +14,13 @@ earlier one, but the context is not). Figures are for the second pass, per arm:
   what ``--mode auto`` runs for a pair whose row has no ``lookup_first``);
 * auto: ``--mode auto`` as shipped (the starter's row: DSpark behind lookup, history included).
 
-``fresh`` runs the first pass only (no earlier request matches): the arms must not be slower there.
-Every arm's output is checked against plain greedy decoding. The machine may be shared: ratios matter.
+``fresh`` is the first pass (only earlier prompts of that pass to match): the arms must not be slower
+there. Every arm's output is checked against plain greedy decoding. The machine may be shared: ratios
+matter.
+
+``--replay`` adds exact offline figures for lookup (context alone, and with the history at each
+``--factors`` value of ``SPEC_FACTOR``): greedy output never depends on drafts, so replaying the
+plain greedy outputs through a drafter gives the tokens per round it would reach, with no noise.
 """
 
 from __future__ import annotations
@@ -99,6 +104,36 @@ def run_arm(engine, arm: str, texts: list[str], tokens: int, reference: dict) ->
     return figures
 
 
+def replay(engine, texts: list[str], reference: dict, history: bool, cap: int = 16) -> dict:
+    """Greedy decoding's rounds with lookup as the drafter, computed from the greedy outputs:
+    each round drafts after the committed tokens and accepts the draft's agreeing prefix plus one."""
+    from engine.drafters.lookup import LookupDrafter
+    from engine.drafters.suffix import SuffixIndex
+
+    index, figures = SuffixIndex(), {}
+    for phase, system in (("fresh", SYSTEMS[0]), ("repeat", SYSTEMS[1])):
+        rounds = tokens = drafted = accepted = 0
+        for text in texts:
+            prompt, out = engine.encode(text, system=system), reference[(phase, text)]
+            drafter = LookupDrafter(history=index if history else None)
+            drafter.begin(prompt, None)
+            ids, pos = prompt + out[:1], 1
+            while pos < len(out):
+                room = min(cap, len(out) - pos - 1)  # the loop's cap: the last token comes from the target
+                draft = drafter.propose(ids, room, None) if room else None
+                guess = draft.tokens.tolist()[:room] if draft is not None else []
+                n = next((i for i, t in enumerate(guess) if t != out[pos + i]), len(guess))
+                ids += out[pos: pos + n + 1]
+                pos += n + 1
+                drafter.commit(ids, n + 1, None)
+                rounds, drafted, accepted = rounds + 1, drafted + len(guess), accepted + n
+            tokens += len(out) - 1
+            index.add(prompt + out)
+        figures[phase] = {"tokens_per_round": round(tokens / max(1, rounds), 3), "drafted": drafted,
+                          "accepted": accepted}
+    return figures
+
+
 def _history_counts(engine, mode: str) -> tuple[int, int]:
     """(rounds, tokens) drafted from the history so far by the lookup inside ``mode``'s drafter."""
     total = [0, 0]
@@ -120,6 +155,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--arms", default="context,history,dspark,dspark+history,auto")
+    p.add_argument("--replay", action="store_true", help="exact offline tokens per round of lookup too")
+    p.add_argument("--factors", default="1,2", help="SPEC_FACTOR values --replay tries (the shipped one first)")
     p.add_argument("--reference", default=None, metavar="FILE",
                    help="keep plain greedy outputs here and reuse them (the baseline pass is the slow part)")
     args = p.parse_args()
@@ -147,7 +184,17 @@ def main() -> int:
     reference = {(phase, text): ids for phase, text, ids in stored["outputs"]}
     out = {"model": engine.name, "prompts": len(texts), "max_new_tokens": args.tokens,
            "baseline_decode_tok_s": stored["tok_s"], "arms": {}}
-    for arm in args.arms.split(","):
+    if args.replay:
+        from engine.drafters import suffix
+
+        shipped = suffix.SPEC_FACTOR
+        out["replay"] = {"context": replay(engine, texts, reference, history=False)}
+        for factor in (float(f) for f in args.factors.split(",")):
+            suffix.SPEC_FACTOR = factor
+            out["replay"][f"history, {factor:g} per matched token"] = replay(engine, texts, reference, history=True)
+        suffix.SPEC_FACTOR = shipped
+        print("replay", json.dumps(out["replay"]), file=sys.stderr, flush=True)
+    for arm in filter(None, args.arms.split(",")):
         out["arms"][arm] = run_arm(engine, arm, texts, args.tokens, reference)
         print(arm, json.dumps(out["arms"][arm]), file=sys.stderr, flush=True)
     out["seconds"] = round(time.perf_counter() - t0, 1)

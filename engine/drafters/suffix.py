@@ -39,7 +39,7 @@ MIN_NGRAM = 3
 MAX_OCCURRENCES = 32  # most recent occurrences of the last n-gram examined per lookup
 MAX_MATCH = 64
 MAX_GROUPS = 3  # match lengths tried per lookup (the longest ones, and the bare n-gram)
-SPEC_FACTOR = 2.0  # at most this many draft tokens per matched token (SuffixDecoding's max_spec_factor)
+SPEC_FACTOR = 1.0  # at most this many draft tokens per matched token (SuffixDecoding's max_spec_factor)
 MIN_PATH_PROB = 0.1  # a path less likely than this is not drafted further (SuffixDecoding's min_token_prob)
 DEFAULT_BUDGET_TOKENS = 1 << 18  # about 30 MiB of Python ints with their postings
 
@@ -64,7 +64,7 @@ class Proposal:
     score: float  # expected accepted tokens: the sum of its prefixes' probabilities
 
 
-def walk(occurrences: list[tuple[list[int], int]], depth: int, min_prob: float = MIN_PATH_PROB
+def walk(occurrences: list[tuple[list[int], int]], depth: int, min_prob: float
          ) -> tuple[list[int], float, float]:
     """(tokens, probability, score) of the most frequent path after ``occurrences`` ((sequence,
     position of the token after the match), most recent first: it wins a tie), at most ``depth``
@@ -196,21 +196,12 @@ class SuffixIndex:
                 break
         return found
 
-    def match(self, context: Sequence[int], limit: int = MAX_MATCH) -> tuple[list[int], int]:
-        """(the tokens that followed the longest earlier match of ``context``'s suffix, up to
-        ``limit`` of them; the match length). ([], 0) when none; the latest wins a tie."""
-        with self._lock:
-            found = self._occurrences(context)
-        if not found:
-            return [], 0
-        seq, pos, length = max(found, key=lambda f: f[2])  # the first (latest) of the longest
-        return seq[pos: pos + limit], length
-
-    def propose(self, context: Sequence[int], limit: int = MAX_MATCH, min_prob: float = MIN_PATH_PROB
+    def propose(self, context: Sequence[int], limit: int = MAX_MATCH, min_prob: float | None = None
                 ) -> Proposal | None:
         """The most frequent continuation of ``context``'s earlier matches, as long as its
         estimated probability stays above ``min_prob`` (at most ``limit`` tokens, and
-        ``SPEC_FACTOR`` per matched token); None when nothing matches."""
+        ``SPEC_FACTOR`` per matched token); None when nothing matches. ``min_prob``: None for
+        ``MIN_PATH_PROB``."""
         with self._lock:
             found = self._occurrences(context)
         if not found:
@@ -221,7 +212,7 @@ class SuffixIndex:
         for length in tried:  # the occurrences matching at least this long; the longest group first
             group = [(seq, pos) for seq, pos, n in found if n >= length]
             depth = min(limit, max(1, int(SPEC_FACTOR * length)))
-            tokens, prob, score = walk(group, depth, min_prob)
+            tokens, prob, score = walk(group, depth, MIN_PATH_PROB if min_prob is None else min_prob)
             if tokens and (best is None or score > best.score):
                 best = Proposal(tokens, lengths[0], len(group), length, prob, score)
         return best
