@@ -275,10 +275,23 @@ def _stale_tmp(tmp: Path) -> bool:
     return old or m is None or (int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))))
 
 
+class SignedFolder:
+    """Files whose names carry a keyed hash (``file_mac``) under ``key``, by default the install's
+    own (``install_key``, read when first needed): the disk tier's and the suffix index's."""
+
+    _key: bytes | None = None
+
+    @property
+    def key(self) -> bytes:
+        if self._key is None:
+            self._key = install_key()
+        return self._key
+
+
 # ----------------------------------------------------------------------------------------
 # The tier
 # ----------------------------------------------------------------------------------------
-class DiskTier:
+class DiskTier(SignedFolder):
     def __init__(self, root: Path, entry_type: type, max_bytes: int | None = None, min_tokens: int | None = None,
                  key: bytes | None = None):
         self.root = root
@@ -290,12 +303,6 @@ class DiskTier:
         self.dir: Path | None = None
         self._index: dict[Path, "Entry"] | None = None  # file -> its entry without arrays
         self.loads = self.saves = self.refused = 0
-
-    @property
-    def key(self) -> bytes:
-        if self._key is None:
-            self._key = install_key()
-        return self._key
 
     def bind(self, identity: str) -> None:
         self.identity = identity

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.drafters.suffix import SuffixIndex
-from engine.prefix_disk import (MAX_HEADER, file_mac, identity_dir, install_key, read_metadata, remove_stale_tmp,
+from engine.prefix_disk import (MAX_HEADER, SignedFolder, file_mac, identity_dir, read_metadata, remove_stale_tmp,
                                 temp_path)
 
 log = logging.getLogger("tandem.suffix")
@@ -99,7 +99,7 @@ def decode(data: bytes) -> tuple[dict, list[list[int]]]:
     return header["__metadata__"], sequences
 
 
-class SuffixDisk:
+class SuffixDisk(SignedFolder):
     """The files of one model's suffix indexes (bound to its identity before use)."""
 
     def __init__(self, root: Path, key: bytes | None = None):
@@ -111,12 +111,6 @@ class SuffixDisk:
         self._saved: dict[str | None, tuple[SuffixIndex, int]] = {}  # scope -> (index, version on disk)
         self._lock = threading.Lock()
         self.loads = self.saves = self.refused = 0
-
-    @property
-    def key(self) -> bytes:
-        if self._key is None:
-            self._key = install_key()
-        return self._key
 
     def bind(self, identity: str, vocab_size: int) -> None:
         self.identity, self.vocab_size = identity, vocab_size
@@ -138,8 +132,7 @@ class SuffixDisk:
         if self.dir is None:
             return 0
         remove_stale_tmp(self.dir)
-        files = self._files(scope)
-        files.sort(key=lambda p: p.stat().st_mtime if p.exists() else 0.0)
+        files = sorted(self._files(scope), key=_mtime)
         for path in files[:-1]:  # a save removes the file it replaces; a crash between can leave two
             path.unlink(missing_ok=True)
         sequences = self._read(files[-1]) if files else None
@@ -219,3 +212,10 @@ class SuffixDisk:
         self._saved[scope] = (index, version)
         self.saves += 1
         return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0

@@ -354,3 +354,21 @@ def test_greedy_output_is_the_same_with_and_without_the_index(mode, tmp_path):
     engine.configure_suffix_drafts(False)
     without = [engine.generate(p, mode=mode, **kw).token_ids for p in asks]
     assert with_index == without == base
+
+
+def test_a_key_file_may_list_several_keys_for_the_server(tmp_path, monkeypatch):
+    from engine.cli import build_parser
+    from engine.cli.serve import api_key_from, api_keys_from
+    from engine.errors import TandemError
+
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    parse = build_parser("serve").parse_args
+    keys = tmp_path / "keys"
+    keys.write_text("alice-key\n\n  bob-key \n")
+    assert api_keys_from(parse(["serve", "--api-key-file", str(keys)])) == ("alice-key", "bob-key")
+    with pytest.raises(TandemError, match="on one line"):  # a client (tandem claude) sends one key
+        api_key_from(parse(["serve", "--api-key-file", str(keys)]))
+    assert api_keys_from(parse(["serve", "--api-key", "k"])) == ("k",) and api_keys_from(parse(["serve"])) == ()
+    keys.write_text("\n")
+    with pytest.raises(TandemError, match="holds no key"):
+        api_keys_from(parse(["serve", "--api-key-file", str(keys)]))

@@ -7,9 +7,9 @@ verbatim matches are more likely to continue, so they earn longer drafts. With a
 wins over the context's own, and its draft is the most frequent continuation of the earlier
 matches, as long as its estimated probability holds (``SuffixIndex.propose``).
 
-``context=False`` drafts from the history only, and only a proposal expected to give at least
-``min_history_score`` accepted tokens: the history-first lookup put in front of a model drafter
-(``engine/modes.py``), where a repeated answer beats the model's guess and anything weaker does not.
+``context=False`` drafts from the history only, and only where its match is ``min_history_match``
+tokens or longer: the history-first lookup put in front of a model drafter (``engine/modes.py``),
+where a repeated answer beats the model's guess and anything weaker does not.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ class LookupDrafter(Drafter):
     name = "lookup"
 
     def __init__(self, max_draft: int = 32, min_ngram: int = MIN_NGRAM, history: SuffixIndex | None = None, *,
-                 context: bool = True, min_history_score: float = 0.0):
+                 context: bool = True, min_history_match: int = 0):
         self.max_draft = max_draft
         self.min_ngram = min_ngram
         # The request's index of earlier requests (``Engine.plan`` sets it per request: the API key's,
         # or None for a seeded sampled request, whose sample must not depend on earlier ones).
         self.history = history
         self.context = context
-        self.min_history_score = min_history_score
+        self.min_history_match = min_history_match
         self.from_history = 0  # rounds drafted from the history (diagnostics, tests)
         self.history_tokens = 0  # tokens drafted from it
         self._index: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -102,7 +102,7 @@ class LookupDrafter(Drafter):
         asked = (len(self._ids), history, history.version)
         if asked != self._asked:
             proposal = history.propose(self._ids, self.max_draft)
-            self._proposal = proposal if proposal is not None and proposal.score >= self.min_history_score else None
+            self._proposal = proposal if proposal is not None and proposal.match >= self.min_history_match else None
             self._asked = asked
         return self._proposal
 
