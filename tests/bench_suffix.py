@@ -1,22 +1,25 @@
 """Suffix drafts across requests on the real starter model (a benchmark, not a test: pytest does not
 collect it).
 
-    PYTHONPATH=$PWD python tests/bench_suffix.py [--prompts 6] [--tokens 96] [--arms context,history,...]
+    PYTHONPATH=$PWD python tests/bench_suffix.py [--prompts 4] [--tokens 64] [--reps 2] [--arms ...] [--replay]
 
-A repeated-request session: each prompt (shipped humaneval and mt-bench turns) is asked once, then
-again under another system prompt (the same question in a new session: the answer is mostly the
-earlier one, but the context is not). Figures are for the second pass, per arm:
+A repeated-request session: each prompt (shipped humaneval and mt-bench turns) is asked once
+(``fresh``), then again under another system prompt (``repeat``: the same question in a new
+session, so the answer is mostly the earlier one but the context is not). Per arm and pass:
+tokens per round, target forwards, tokens drafted from the history, decode tok/s. Arms:
 
+* baseline: plain decoding;
 * context: n-gram lookup on the current context only (``--no-suffix-drafts``);
 * history: lookup with the index of earlier requests (what ``--mode lookup`` runs);
 * dspark: the starter's DSpark drafter alone, no lookup;
-* dspark+history: the same with the history first where it is confident (``modes.history_first``,
+* dspark+history: the same with the history first where it matches long (``modes.history_first``,
   what ``--mode auto`` runs for a pair whose row has no ``lookup_first``);
 * auto: ``--mode auto`` as shipped (the starter's row: DSpark behind lookup, history included).
 
-``fresh`` is the first pass (only earlier prompts of that pass to match): the arms must not be slower
-there. Every arm's output is checked against plain greedy decoding. The machine may be shared: ratios
-matter.
+Every request runs under every arm in turn, and the session ``--reps`` times (each arm with its
+own history, emptied per repetition); tok/s counts each request's fastest decode, so a busy
+machine slows the arms alike. Every arm's output is checked against plain greedy decoding. The
+``fresh`` pass matches only earlier prompts of that pass: the arms must not be slower there.
 
 ``--replay`` adds exact offline figures for lookup (context alone, and with the history at each
 ``--factors`` value of ``SPEC_FACTOR``): greedy output never depends on drafts, so replaying the
@@ -43,64 +46,72 @@ def prompts(n: int) -> list[str]:
     return out[:n]
 
 
-def arm_drafter(engine, arm: str):
-    """(mode, drafter) of an arm; the drafter is set for that mode on the engine."""
+def arm_setups(engine, arms: list[str]) -> dict:
+    """Per arm: (mode, the drafter to set for that mode or None, whether it keeps a history)."""
     from engine import modes
 
-    if arm in ("context", "history"):
-        return "lookup", engine.drafter("lookup")
-    if arm == "auto":
-        return "auto", None
-    saved = engine.lookup_first
-    engine.lookup_first = False  # the DSpark drafter alone
-    dspark = engine.drafter("dspark")
-    engine.lookup_first = saved
-    if arm == "dspark":
-        engine.set_drafter("dspark", dspark)
-        return "dspark", dspark
-    engine.lookup_first = None
-    wrapped = modes.history_first(engine, dspark)
-    engine.lookup_first = saved
-    engine.set_drafter("dspark", wrapped)
-    return "dspark", wrapped
+    out = {}
+    if any(a.startswith("dspark") for a in arms):
+        saved = engine.lookup_first
+        engine.lookup_first = False  # the DSpark drafter alone
+        dspark = engine.drafter("dspark")
+        engine.lookup_first = None
+        wrapped = modes.history_first(engine, dspark)
+        engine.lookup_first = saved
+    for arm in arms:
+        out[arm] = {"baseline": ("baseline", None, False), "context": ("lookup", None, False),
+                    "history": ("lookup", None, True), "auto": ("auto", None, True)}.get(arm) or (
+            ("dspark", dspark, False) if arm == "dspark" else ("dspark", wrapped, True))
+    return out
 
 
-def run_arm(engine, arm: str, texts: list[str], tokens: int, reference: dict) -> dict:
-    from engine.benchmark import forget_earlier_requests
+def run_arms(engine, arms: list[str], texts: list[str], tokens: int, reference: dict, reps: int) -> dict:
+    """The session (fresh pass, then repeat pass) once per repetition, every request under every
+    arm in turn (so a busy machine slows the arms alike), each arm with its own history; per arm
+    and pass: tokens per round, target forwards, and tok/s from each request's fastest decode."""
+    from engine.drafters.suffix import SuffixIndex
 
-    forget_earlier_requests(engine)
+    setups = arm_setups(engine, arms)
+    if "auto" in arms:
+        engine._auto_drafter(engine.resolve_mode("auto"))  # built once: every arm's drafters live through the run
     keep, drafters = engine.suffix_index, dict(engine._drafters)
-    if arm == "context":
-        engine.suffix_index = None
-    mode, _ = arm_drafter(engine, arm)
-    figures = {}
+    best: dict = {}
+    figures = {arm: {} for arm in arms}
     try:
-        for phase, system in (("fresh", SYSTEMS[0]), ("repeat", SYSTEMS[1])):
-            rounds = toks = forwards = 0
-            decode_s = 0.0
-            hist_rounds = hist_tokens = 0
-            same = True
-            for text in texts:
-                drafter = engine.drafter(mode) if mode != "auto" else None
-                before = _history_counts(engine, mode)
-                r = engine.generate(text, system=SYSTEMS[0] if phase == "fresh" else system, mode=mode,
-                                    max_new_tokens=tokens, prefix_cache=False)
-                after = _history_counts(engine, mode)
-                hist_rounds += after[0] - before[0]
-                hist_tokens += after[1] - before[1]
-                same &= r.token_ids == reference[(phase, text)]
-                rounds += len(r.rounds) - 1
-                forwards += r.target_forwards
-                toks += r.generated - 1
-                decode_s += r.decode_s
-                del drafter
-            figures[phase] = {"tokens_per_round": round(toks / max(1, rounds), 3), "target_forwards": forwards,
-                              "decode_tok_s": round(toks / decode_s, 2) if decode_s else 0.0,
-                              "history_rounds": hist_rounds, "history_tokens": hist_tokens, "same_as_greedy": same}
+        for _ in range(reps):
+            histories = {arm: SuffixIndex() for arm in arms}
+            for phase, system in (("fresh", SYSTEMS[0]), ("repeat", SYSTEMS[1])):
+                for text in texts:
+                    for arm, (mode, drafter, keeps) in setups.items():
+                        engine._drafters.clear()
+                        engine._drafters.update(drafters)
+                        if drafter is not None:
+                            engine.set_drafter(mode, drafter)
+                        engine.suffix_index = histories[arm] if keeps else None
+                        before = _history_counts(engine)
+                        r = engine.generate(text, system=system, mode=mode, max_new_tokens=tokens, prefix_cache=False)
+                        after = _history_counts(engine)
+                        key = (arm, phase, text)
+                        best[key] = min(best.get(key, (float("inf"),)), (r.decode_s, r, after[0] - before[0],
+                                                                          after[1] - before[1]), key=lambda b: b[0])
     finally:
         engine.suffix_index = keep
         engine._drafters.clear()
         engine._drafters.update(drafters)
+    for (arm, phase, text), (decode_s, r, hist_rounds, hist_tokens) in best.items():
+        f = figures[arm].setdefault(phase, {"rounds": 0, "tokens": 0, "target_forwards": 0, "decode_s": 0.0,
+                                            "history_rounds": 0, "history_tokens": 0, "same_as_greedy": True})
+        f["rounds"] += len(r.rounds) - 1
+        f["tokens"] += r.generated - 1
+        f["target_forwards"] += r.target_forwards
+        f["decode_s"] += decode_s
+        f["history_rounds"] += hist_rounds
+        f["history_tokens"] += hist_tokens
+        f["same_as_greedy"] &= r.token_ids == reference[(phase, text)]
+    for arm in figures:
+        for f in figures[arm].values():
+            f["tokens_per_round"] = round(f["tokens"] / max(1, f["rounds"]), 3)
+            f["decode_tok_s"] = round(f["tokens"] / f.pop("decode_s"), 2)
     return figures
 
 
@@ -134,27 +145,21 @@ def replay(engine, texts: list[str], reference: dict, history: bool, cap: int = 
     return figures
 
 
-def _history_counts(engine, mode: str) -> tuple[int, int]:
-    """(rounds, tokens) drafted from the history so far by the lookup inside ``mode``'s drafter."""
-    total = [0, 0]
+def _history_counts(engine) -> tuple[int, int]:
+    """(rounds, tokens) drafted from the history so far by the lookups inside the engine's drafters."""
     drafters = [d for d in engine._drafters.values() if d is not None]
     drafters += [made[1] for made in getattr(engine, "_auto_drafters", {}).values() if made[1] is not None]
-    seen = set()
-    for d in drafters:
-        lookup = getattr(d, "lookup", d)
-        if id(lookup) in seen:
-            continue
-        seen.add(id(lookup))
-        total[0] += getattr(lookup, "from_history", 0)
-        total[1] += getattr(lookup, "history_tokens", 0)
-    return total[0], total[1]
+    lookups = {id(getattr(d, "lookup", d)): getattr(d, "lookup", d) for d in drafters}
+    return (sum(getattr(d, "from_history", 0) for d in lookups.values()),
+            sum(getattr(d, "history_tokens", 0) for d in lookups.values()))
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--prompts", type=int, default=6)
-    p.add_argument("--tokens", type=int, default=96)
-    p.add_argument("--arms", default="context,history,dspark,dspark+history,auto")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--arms", default="baseline,context,history,dspark,dspark+history,auto")
+    p.add_argument("--reps", type=int, default=2, help="sessions run; each request's fastest decode counts")
     p.add_argument("--replay", action="store_true", help="exact offline tokens per round of lookup too")
     p.add_argument("--factors", default="1,2", help="SPEC_FACTOR values --replay tries (the shipped one first)")
     p.add_argument("--reference", default=None, metavar="FILE",
@@ -194,9 +199,10 @@ def main() -> int:
             out["replay"][f"history, {factor:g} per matched token"] = replay(engine, texts, reference, history=True)
         suffix.SPEC_FACTOR = shipped
         print("replay", json.dumps(out["replay"]), file=sys.stderr, flush=True)
-    for arm in filter(None, args.arms.split(",")):
-        out["arms"][arm] = run_arm(engine, arm, texts, args.tokens, reference)
-        print(arm, json.dumps(out["arms"][arm]), file=sys.stderr, flush=True)
+    arms = [a for a in args.arms.split(",") if a]
+    if arms:
+        out["reps"] = args.reps
+        out["arms"] = run_arms(engine, arms, texts, args.tokens, reference, args.reps)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     return 0

@@ -1,6 +1,8 @@
-"""Drafts from earlier requests (engine/drafters/suffix.py): the index finds the longest earlier
-match, evicts under its budget, and lookup drafting from it keeps the output identical while
-a repeated request drafts (and saves target forwards) from what an earlier one wrote."""
+"""Drafts from earlier requests (engine/drafters/suffix.py): the index proposes the most frequent
+continuation of the earlier matches and evicts under its budget; lookup drafting from it keeps the
+output identical (every drafter that uses it) while a repeated request drafts from what an earlier
+one wrote; the index survives a restart (engine/suffix_disk.py) and refuses bad files; concurrent
+and batched requests update it safely; each API key drafts only from its own requests."""
 
 from __future__ import annotations
 
