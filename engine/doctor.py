@@ -172,7 +172,7 @@ def _prefix_cache_row() -> str:
     from engine.prefix_disk import default_dir
 
     root = default_dir()
-    files = [p for p in root.rglob("*.safetensors") if not p.name.startswith(".")] if root.is_dir() else []
+    files = [p for p in root.rglob("*.safetensors") if not p.name.startswith((".", "suffix-"))] if root.is_dir() else []
     size = sum(p.stat().st_size for p in files)
     return (f"{_gib(default_memory_bytes())} in memory ({MEMORY_FRACTION:.0%} of {_gib(platform.available_memory_bytes())} "
             f"available; --prefix-cache-mb); disk tier with --prefix-cache-dir: {root} ({len(files)} entries, "
@@ -181,9 +181,13 @@ def _prefix_cache_row() -> str:
 
 def _suffix_drafts_row() -> str:
     from engine.drafters.suffix import DEFAULT_BUDGET_TOKENS
+    from engine.prefix_disk import default_dir
 
-    return (f"on: lookup also drafts from earlier requests' prompts and outputs (in memory, "
-            f"{DEFAULT_BUDGET_TOKENS:,} tokens, least recently used dropped); --no-suffix-drafts turns it off")
+    root = default_dir()
+    files = list(root.rglob("suffix-*.safetensors")) if root.is_dir() else []
+    return (f"on: lookup also drafts from earlier requests' prompts and outputs ({DEFAULT_BUDGET_TOKENS:,} tokens "
+            f"per index, least recently used dropped; one index per API key in the server); kept across restarts "
+            f"with --prefix-cache-dir ({len(files)} saved in {root}); --no-suffix-drafts turns it off")
 
 
 def _hf_cache_row() -> str:

@@ -131,6 +131,8 @@ class RequestPlan:
     image: Any = None  # engine.vision.ImagePrompt: its embeddings enter the prefill; keyed by its images
     turn_boundary: int | None = None  # prompt tokens the next turn of this chat shares (a snapshot there)
     logprobs: bool = False  # the request asked for logprobs (the sampler computes them)
+    history: SuffixIndex | None = None  # the index of earlier requests this one adds to (its API key's)
+    history_scope: str | None = None  # whose index that is (None: the process's)
 
     @property
     def embeddings(self) -> Callable[[int, int], Any] | None:
@@ -214,8 +216,8 @@ class RequestOutput:
             rounds=stats.rounds, prefill_s=stats.prefill_s, decode_s=decode_s, target_forwards=stats.target_forwards,
             finish_reason=stats.finish_reason, cap=plan.cap_label, token_times=self.times, note=plan.note,
             caps=stats.caps, cached_tokens=stats.cached_tokens, batch_width=self.batch_width, logprobs=self.logprobs))
-        if self.engine.suffix_index is not None:  # what this request saw and wrote, for later requests' drafts
-            self.engine.suffix_index.add(list(plan.prompt_ids) + self.tokens)
+        if plan.history is not None:  # what this request saw and wrote, for later requests' drafts
+            self.engine.remember_sequence(plan.history_scope, plan.history, list(plan.prompt_ids) + self.tokens)
         if plan.store is not None:
             plan.store.flush()  # the disk tier's write, once the reply is out
 
@@ -230,6 +232,7 @@ class Engine:
         self.loaded = loaded  # engine.loading.LoadedModel when loaded from disk
         self.target = Target(model, tokenizer, name=name)
         self._drafters: dict[tuple, Drafter] = {}
+        self._auto_drafters: dict[str, tuple] = {}  # mode -> (its drafter, what --mode auto runs with it)
         self.drafter_path: str | None = None  # DSpark/DFlash/EAGLE-3 checkpoint or MTP sidecar chosen by the user
         self.draft_model_spec: str | None = None
         self.drafter_bits: int | None = None  # None: 4-bit on Metal/CUDA, float32 on the CPU backend
@@ -242,6 +245,8 @@ class Engine:
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
         self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
+        self.suffix_scopes: dict[str, SuffixIndex] = {}  # one index per API key (``history``)
+        self.suffix_disk: Any = None  # engine.suffix_disk.SuffixDisk: the indexes kept across restarts
         self.vision: Any = None  # engine.vision.Vision: the model takes images (a model loaded through mlx-vlm)
         if loaded is not None and getattr(loaded, "vision", None) is not None:
             from engine import vision
@@ -277,6 +282,58 @@ class Engine:
         if enabled:
             self.prefix_cache = PrefixCache(None if memory_mb is None else int(memory_mb * 2**20), disk_dir=disk_dir,
                                             disk_bytes=None if disk_mb is None else int(disk_mb * 2**20))
+
+    # -- suffix drafts ------------------------------------------------------------------------
+    def configure_suffix_drafts(self, enabled: bool = True, *, disk_dir: str | None = None) -> None:
+        """Lookup drafts from earlier requests (``engine/drafters/suffix.py``), or not; with
+        ``disk_dir`` (the prefix cache's disk tier) the indexes are loaded now and kept there."""
+        self.save_history()
+        self.suffix_scopes = {}
+        self.suffix_index = SuffixIndex() if enabled else None
+        self.suffix_disk = None
+        if enabled and disk_dir is not None:
+            import atexit
+            import weakref
+            from pathlib import Path
+
+            from engine import suffix_disk
+
+            self.suffix_disk = suffix_disk.SuffixDisk(Path(disk_dir).expanduser())
+            self.suffix_disk.bind(suffix_disk.identity(self.target), self.target.vocab_size)
+            self.suffix_disk.load(None, self.suffix_index)
+            atexit.register(_save_history_at_exit, weakref.ref(self))
+
+    def history(self, scope: str | None = None) -> SuffixIndex | None:
+        """The index of earlier requests that a request of ``scope`` drafts from and adds to: the
+        process's for None (the app, the CLI, a server without keys), else that API key's own,
+        so one client's drafting speed never tells what another one sent. None when off."""
+        if self.suffix_index is None or scope is None:
+            return self.suffix_index
+        index = self.suffix_scopes.get(scope)
+        if index is None:
+            index = self.suffix_scopes[scope] = SuffixIndex(self.suffix_index.budget_tokens, self.suffix_index.ngram)
+            if self.suffix_disk is not None:
+                self.suffix_disk.load(scope, index)
+        return index
+
+    def remember_sequence(self, scope: str | None, index: SuffixIndex, tokens: list[int]) -> None:
+        """Add a finished request's prompt and output to its index; every ``SAVE_EVERY`` additions
+        the index is written to disk (when kept there)."""
+        index.add(tokens)
+        if self.suffix_disk is not None:
+            from engine.suffix_disk import SAVE_EVERY
+
+            self.suffix_disk.save(scope, index, every=SAVE_EVERY)
+
+    def save_history(self) -> None:
+        """Write every index that changed to disk (when kept there): the server's shutdown, exit."""
+        disk = self.suffix_disk
+        if disk is None:
+            return
+        if self.suffix_index is not None:
+            disk.save(None, self.suffix_index)
+        for scope, index in list(self.suffix_scopes.items()):
+            disk.save(scope, index)
 
     def clear_prefix_cache(self) -> None:
         """Release the stored prefixes held in memory (a new chat, another model)."""
@@ -334,6 +391,15 @@ class Engine:
             self._drafters[key] = modes.make_drafter(self, mode)
         return self._drafters[key]
 
+    def _auto_drafter(self, mode: str) -> Drafter | None:
+        """--mode auto's drafter for ``mode``: the mode's, with earlier requests' continuations first
+        where they are confident (``modes.history_first``)."""
+        drafter = self.drafter(mode)
+        made = self._auto_drafters.get(mode)
+        if made is None or made[0] is not drafter:
+            made = self._auto_drafters[mode] = (drafter, modes.history_first(self, drafter))
+        return made[1]
+
     def set_drafter(self, mode: str, drafter: Drafter | None) -> None:
         """Use this drafter instance for ``mode`` (a custom or pre-built drafter)."""
         self._drafters[self._drafter_key(mode)] = drafter
@@ -387,6 +453,7 @@ class Engine:
         logprobs: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         turn_boundary: int | None = None,
+        history_scope: str | None = None,
     ) -> "RequestPlan":
         """Resolve a request once into what decoding it takes: the prompt's ids, the mode, the
         drafter, the cap policy and the sampler (with the request's logits processing). A bad
@@ -399,7 +466,8 @@ class Engine:
         (speculation stays on and lossless); ``logprobs``: None, or how many top alternatives to
         report with each token's logprob (0..20) in ``Chunk.logprobs`` / ``GenerationResult.logprobs``.
         Their definitions: ``engine/processors.py``. ``turn_boundary``: how many prompt tokens the
-        next turn of this chat will share (``prefix_cache.turn_boundary``; found here for messages)."""
+        next turn of this chat will share (``prefix_cache.turn_boundary``; found here for messages).
+        ``history_scope``: whose earlier requests lookup may draft from (``history``: an API key's)."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
         processing = Processing(presence_penalty, frequency_penalty, repetition_penalty, dict(logit_bias or {}),
@@ -416,7 +484,7 @@ class Engine:
                 turn_boundary = self._turn_boundary(prompt, prompt_ids, chat_template, system, template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
-        drafter = self.drafter(mode)
+        drafter = self.drafter(mode) if requested != "auto" else self._auto_drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
         # baseline and says why; an explicit speculative mode is refused with the reason.
         reason = modes.speculation_blocker(self) or (drafter.speculation_blocker() if drafter else None)
@@ -432,11 +500,13 @@ class Engine:
             cap_label = getattr(cap_policy, "label", "custom")
         # Drafts change which random draws a sampled round makes: a seeded sample must not depend
         # on what earlier requests left in the suffix index (greedy output never depends on drafts).
-        _use_history(drafter, params.greedy or seed is None)
+        history = self.history(history_scope)
+        _set_history(drafter, history if params.greedy or seed is None else None)
         return RequestPlan(prompt_ids=prompt_ids, mode=mode, drafter=drafter, sampler=sampler,
                            cap_policy=cap_policy, cap_label=cap_label, note=note, max_new_tokens=max_new_tokens,
                            stop=tuple(stop), store=self.prefix_cache if prefix_cache else None, image=image,
-                           turn_boundary=turn_boundary, logprobs=processing.logprobs is not None)
+                           turn_boundary=turn_boundary, logprobs=processing.logprobs is not None, history=history,
+                           history_scope=history_scope)
 
     def stream(
         self,
@@ -542,11 +612,18 @@ def _one_turn(content: Any, system: str | None) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
 
 
-def _use_history(drafter: Drafter | None, on: bool) -> None:
-    """Let a lookup drafter (alone or behind a model drafter) draft from earlier requests, or not."""
+def _set_history(drafter: Drafter | None, history: SuffixIndex | None) -> None:
+    """The index a lookup drafter (alone or in front of a model drafter) drafts from for this
+    request (None: none). A batch row's fork keeps the one its request was planned with."""
     for d in (drafter, getattr(drafter, "lookup", None)):
-        if hasattr(d, "use_history"):
-            d.use_history = on
+        if hasattr(d, "history"):
+            d.history = history
+
+
+def _save_history_at_exit(ref: Any) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.save_history()
 
 
 def _cut_at_stop(text: str, stop: Sequence[str]) -> str:

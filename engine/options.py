@@ -57,7 +57,8 @@ def add_prefix_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=None, metavar="MB",
                    help="memory for stored prefixes (default: a quarter of the memory available at start)")
     p.add_argument("--prefix-cache-dir", nargs="?", const="", default=None, metavar="DIR",
-                   help="also keep prefixes on disk, across restarts (default folder: ~/.cache/tandem/prefix)")
+                   help="also keep prefixes on disk, across restarts (default folder: ~/.cache/tandem/prefix), "
+                        "and the history of earlier requests that lookup drafts from")
     p.add_argument("--prefix-cache-disk-mb", type=float, default=None, metavar="MB",
                    help="size cap of the disk tier (default 4096)")
     p.add_argument("--no-suffix-drafts", action="store_true",
@@ -104,6 +105,7 @@ def load_engine(args: argparse.Namespace) -> "Engine":
                       kv_bits=getattr(args, "kv_bits", None), progress=progress)
     finally:
         close()
+    disk = None
     if hasattr(args, "no_prefix_cache"):
         disk = args.prefix_cache_dir
         if disk == "":
@@ -112,8 +114,9 @@ def load_engine(args: argparse.Namespace) -> "Engine":
             disk = str(default_dir())
         engine.configure_prefix_cache(not args.no_prefix_cache, memory_mb=args.prefix_cache_mb, disk_dir=disk,
                                       disk_mb=args.prefix_cache_disk_mb)
-    if getattr(args, "no_suffix_drafts", False):
-        engine.suffix_index = None
+        disk = None if args.no_prefix_cache else disk
+    # The history lookup drafts from is kept beside the prefix cache's disk tier when that is on.
+    engine.configure_suffix_drafts(not getattr(args, "no_suffix_drafts", False), disk_dir=disk)
     return engine
 
 

@@ -246,6 +246,24 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def identity_dir(root: Path, identity: str) -> Path:
+    """The folder of one model identity's files under ``root`` (the suffix index's too)."""
+    return root / hashlib.sha256(identity.encode()).hexdigest()[:20]
+
+
+def temp_path(folder: Path) -> Path:
+    """A temporary file name in ``folder`` for a write that is renamed when complete (``_stale_tmp``
+    recognises those a killed writer left)."""
+    return folder / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+
+
+def remove_stale_tmp(folder: Path) -> None:
+    """Remove the temporary files in ``folder`` whose writer is gone."""
+    for path in folder.glob(".tmp-*") if folder.is_dir() else ():
+        if _stale_tmp(path):
+            path.unlink(missing_ok=True)
+
+
 def _stale_tmp(tmp: Path) -> bool:
     """A temporary file whose writer is gone (its pid, in the name, is not running) or that is older
     than ``STALE_TMP_S``."""
@@ -257,10 +275,23 @@ def _stale_tmp(tmp: Path) -> bool:
     return old or m is None or (int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))))
 
 
+class SignedFolder:
+    """Files whose names carry a keyed hash (``file_mac``) under ``key``, by default the install's
+    own (``install_key``, read when first needed): the disk tier's and the suffix index's."""
+
+    _key: bytes | None = None
+
+    @property
+    def key(self) -> bytes:
+        if self._key is None:
+            self._key = install_key()
+        return self._key
+
+
 # ----------------------------------------------------------------------------------------
 # The tier
 # ----------------------------------------------------------------------------------------
-class DiskTier:
+class DiskTier(SignedFolder):
     def __init__(self, root: Path, entry_type: type, max_bytes: int | None = None, min_tokens: int | None = None,
                  key: bytes | None = None):
         self.root = root
@@ -273,25 +304,18 @@ class DiskTier:
         self._index: dict[Path, "Entry"] | None = None  # file -> its entry without arrays
         self.loads = self.saves = self.refused = 0
 
-    @property
-    def key(self) -> bytes:
-        if self._key is None:
-            self._key = install_key()
-        return self._key
-
     def bind(self, identity: str) -> None:
         self.identity = identity
-        self.dir = self.root / hashlib.sha256(identity.encode()).hexdigest()[:20]
+        self.dir = identity_dir(self.root, identity)
         self._index = None
 
     def _listing(self) -> dict[Path, "Entry"]:
         if self._index is None:
             self._index = {}
             if self.dir is not None and self.dir.is_dir():
+                remove_stale_tmp(self.dir)  # writes that were killed half way
                 for path in sorted(self.dir.glob("*.safetensors")):
                     if path.name.startswith("."):
-                        if _stale_tmp(path):  # a write that was killed half way
-                            path.unlink(missing_ok=True)
                         continue
                     meta = read_metadata(path)
                     if meta is None or meta.get("format") != FORMAT or meta.get("identity") != self.identity:
@@ -362,7 +386,7 @@ class DiskTier:
             if sum(a.nbytes for a in arrays.values()) > self.max_bytes:
                 return
             self.dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.safetensors"
+            tmp = temp_path(self.dir)
             mx.save_safetensors(str(tmp), arrays, meta)
             stem = token_hash(entry.tokens)
             path = self.dir / f"{stem}-{file_mac(tmp.read_bytes(), self.key)}.safetensors"

@@ -29,24 +29,41 @@ def add_api_key_arguments(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the key from this file (one line)")
 
 
+def _key_file_lines(path: str) -> list[str]:
+    try:
+        lines = Path(path).expanduser().read_text(encoding="utf-8").strip().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise TandemError(f"cannot read --api-key-file {path}: {reason}") from None
+    return [line.strip() for line in lines if line.strip()]
+
+
 def api_key_from(args: argparse.Namespace) -> str | None:
     """The key from --api-key, --api-key-file or $TANDEM_API_KEY (in that order); None if none."""
     if args.api_key and args.api_key_file:
         raise TandemError("give --api-key or --api-key-file, not both")
     if args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).expanduser().read_text(encoding="utf-8").strip().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = getattr(e, "strerror", None) or e
-            raise TandemError(f"cannot read --api-key-file {args.api_key_file}: {reason}") from None
-        if len(lines) != 1 or not lines[0].strip():
+        lines = _key_file_lines(args.api_key_file)
+        if len(lines) != 1:
             raise TandemError(f"--api-key-file {args.api_key_file} must hold the key on one line")
-        return lines[0].strip()
+        return lines[0]
     if args.api_key:
         print(f"tandem: note: --api-key is visible to other users of this machine (ps); ${API_KEY_ENV} or "
               "--api-key-file keep it private", file=sys.stderr)
     # Spaces around a key (a quoted export, a pasted line) are never part of it: clients strip them too.
     return (args.api_key or os.environ.get(API_KEY_ENV) or "").strip() or None
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """The server's keys: those of --api-key-file, one a line (a key per client: each drafts from
+    its own history of earlier requests), else ``api_key_from``'s one; () for none."""
+    if args.api_key_file and not args.api_key:
+        lines = _key_file_lines(args.api_key_file)
+        if not lines:
+            raise TandemError(f"--api-key-file {args.api_key_file} holds no key")
+        return tuple(lines)
+    key = api_key_from(args)
+    return (key,) if key else ()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8080)
     add_api_key_arguments(p, "require this key on every route but /health "
-                             "(Authorization: Bearer KEY or x-api-key: KEY)")
+                             "(Authorization: Bearer KEY or x-api-key: KEY); --api-key-file may list several, "
+                             "one a line, and each key's requests draft only from that key's earlier requests")
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host is NAME (a reverse proxy's or a LAN name; '*': any). "
                         "Always answered: IP addresses, localhost, the --host name, and with --host 0.0.0.0 this "
@@ -97,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None and not 0 <= args.seed < 2**64:
         raise TandemError(f"--seed must be between 0 and {2**64 - 1}, got {args.seed}")
     check_prefix_cache_arguments(args)
-    api_key = api_key_from(args)
+    api_key = api_keys_from(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"tandem: warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model", file=sys.stderr)

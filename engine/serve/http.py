@@ -26,6 +26,7 @@ What a hostile client or a web page can send is refused before any work is done:
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
@@ -65,6 +66,12 @@ _CONTROL_CHARS[ord("\\")] = "\\\\"
 def escape_log(text: str) -> str:
     """Control characters (and backslashes) as escapes, so one request is one log line."""
     return text.translate(_CONTROL_CHARS)
+
+
+def key_scope(key: str) -> str:
+    """The name of an API key's own history of drafts (``Engine.history``): a hash, so the key
+    itself is never kept beside it."""
+    return hashlib.sha256(b"tandem-api-key|" + key.encode()).hexdigest()[:32]
 
 
 class ClientGone(Exception):
@@ -166,6 +173,7 @@ class RequestHandler(BaseHTTPRequestHandler):
     timeout = 600  # a request's socket reads and writes (its body, a stream) give up after this long
     _endpoint, _sse_open, _body_read, _last_write, _chunked = "other", False, True, 0.0, True
     _cors_origin: str | None = None  # an allowed browser Origin to answer with CORS headers
+    client_scope: str | None = None  # the request's API key's history of drafts (``_authorized``)
 
     @property
     def tandem(self) -> Any:
@@ -273,12 +281,18 @@ class RequestHandler(BaseHTTPRequestHandler):
             return True
 
     def _authorized(self) -> bool:
-        key = self.tandem.api_key
-        if not key:
+        """Whether the request carries one of the server's keys (any, when it has none); sets
+        ``client_scope``, the key's own history of drafts (None: the process's, no keys)."""
+        self.client_scope = None
+        keys = self.tandem.api_keys
+        if not keys:
             return True
         auth = self.headers.get("Authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else self.headers.get("x-api-key", "")
-        return hmac.compare_digest(given.strip().encode(), key.encode())  # the server's key is stripped too
+        given = (auth[7:] if auth.lower().startswith("bearer ") else self.headers.get("x-api-key", "")).strip().encode()
+        matched = [key for key in keys if hmac.compare_digest(given, key.encode())]  # every key compared: no timing
+        if matched:
+            self.client_scope = key_scope(matched[0])
+        return bool(matched)
 
     def _declares_body(self) -> bool:
         return bool(self.headers.get_all("Transfer-Encoding")) or any(

@@ -218,7 +218,8 @@ class Handler(RequestHandler):
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
             seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop,
-            turn_boundary=None if image is not None else self._turn_boundary(engine, spec, ids), **spec.processing())
+            turn_boundary=None if image is not None else self._turn_boundary(engine, spec, ids),
+            history_scope=self.client_scope, **spec.processing())
         if image is not None:
             kwargs["image_prompt"] = image
         try:

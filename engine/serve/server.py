@@ -27,6 +27,9 @@ rendering and output parsing shared by both).
 * A final assistant message is a prefill: the reply continues it.
 * Web pages are refused (Host and Origin checks, ``engine.serve.http``): ``--allow-host`` and
   ``--allow-origin`` open it up where wanted.
+* Lookup drafts from earlier requests (``Engine.history``): with API keys, each key's requests
+  draft only from that key's own earlier requests (several keys: one a line in ``--api-key-file``),
+  so the speed of a reply never tells one client what another sent; without keys, from the process's.
 * Omitted sampling fields use the server's flags (default greedy: output equals plain greedy
   decoding in every mode); a request may pick its own mode and draft cap with the extension
   field ``"tandem": {"mode": "lookup", "max_draft": 8}``.
@@ -51,7 +54,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from engine.errors import TandemError
 from engine.serve.http import Access, HTTPServer
@@ -103,9 +106,12 @@ class TandemServer:
     ``runner`` (and no factory) the host's thread drives the engine instead."""
 
     def __init__(self, engine_factory: Callable[[], Any] | None, host: str = "127.0.0.1", port: int = 8080,
-                 api_key: str | None = None, config: ServerConfig | None = None, *, runner: JobRunner | None = None):
+                 api_key: str | Sequence[str] | None = None, config: ServerConfig | None = None, *,
+                 runner: JobRunner | None = None):
         self.config = config or ServerConfig()
-        self.api_key = (api_key or "").strip() or None  # the handler strips what clients send, too
+        keys = [api_key] if isinstance(api_key, str) or api_key is None else list(api_key)
+        # Stripped: the handler strips what clients send, too. Each key drafts from its own history.
+        self.api_keys = tuple(dict.fromkeys(k.strip() for k in keys if k and k.strip()))
         self.hosted = runner is not None
         if runner is not None:
             self.metrics, self.events, self.worker = runner.metrics, runner.events, runner
@@ -125,6 +131,11 @@ class TandemServer:
         self.host, self.port = self.httpd.server_address[:2]
         self.access = Access.for_bind(host, self.config.allow_hosts, self.config.allow_origins)
         self._thread: threading.Thread | None = None
+
+    @property
+    def api_key(self) -> str | None:
+        """The (first) key clients must send, or None when the server takes any request."""
+        return self.api_keys[0] if self.api_keys else None
 
     @property
     def url(self) -> str:
@@ -178,7 +189,7 @@ class TandemServer:
 
 
 def make_server(engine_factory: Callable[[], Any], host: str = "127.0.0.1", port: int = 8080,
-                api_key: str | None = None, **config: Any) -> TandemServer:
+                api_key: str | Sequence[str] | None = None, **config: Any) -> TandemServer:
     """A server (not yet started) whose engine ``engine_factory()`` builds in the engine thread.
     ``config``: the fields of ``ServerConfig`` (mode, max_draft, temperature, ..., keepalive_s)."""
     return TandemServer(engine_factory, host, port, api_key, ServerConfig(**config))

@@ -288,6 +288,8 @@ class EngineWorker(JobRunner, threading.Thread):
                 finally:
                     self.current = None
         finally:
+            if self.engine is not None and hasattr(self.engine, "save_history"):
+                self.engine.save_history()  # the history lookup drafts from, when kept on disk
             # Free the model and this thread's MLX streams before the thread ends. Without
             # clear_streams (MLX 0.32) a thread that ran compiled functions can abort the process at
             # exit: "terminate called without an active exception".
