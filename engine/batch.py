@@ -214,7 +214,7 @@ class BatchLoop:
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:
                 told(len(rows))
-        plans = [self._propose(row) for row in rows]
+        plans = self._drafts(rows, [self._propose(row) for row in rows])
         judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
         width = batch_width(rows, plans, judge)
         plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
@@ -253,8 +253,8 @@ class BatchLoop:
             row.t_last = now
         return out
 
-    def _propose(self, row: BatchRow) -> tuple[int, list[int], object]:
-        """(cap, draft tokens, Draft) for this row's next round; no tokens: a plain step.
+    def _propose(self, row: BatchRow) -> int:
+        """This row's cap for its next round; 0: a plain step.
 
         Runs of plain steps follow ``decode``'s schedule step for step (a parked policy's
         ``plain_run``, plain steps until the drafter has a draft), so a seeded row draws the
@@ -262,7 +262,7 @@ class BatchLoop:
         known, as ``decode`` asks it before queuing the next pipelined forward."""
         drafter, policy = row.drafter, row.cap_policy
         if drafter is None:
-            return 0, [], None
+            return 0
         ids = row.stats.ids
         remaining = row.max_new_tokens - row.generated
         if row.run_left == 0:
@@ -274,26 +274,49 @@ class BatchLoop:
                 row.run_left = max(1, min(_plain_run_length(policy), remaining))
                 row.run_stop = _cheap_draft_stop(policy, drafter, ids)
             else:
-                return cap, *self._draft(row, cap)
+                return cap
         row.run_left -= 1
         if row.run_left > 0 and row.run_stop is not None and row.run_stop():
             row.run_left = 0
-        return 0, [], None
+        return 0
 
-    def _draft(self, row: BatchRow, cap: int) -> tuple[list[int], object]:
-        drafter, ids = row.drafter, row.stats.ids
+    def _drafts(self, rows: list[BatchRow], caps: list[int]) -> list[tuple[int, list[int], object]]:
+        """(cap, draft tokens, Draft) per row; no tokens: a plain step. Rows whose drafters share
+        one model and can propose together (``propose_rows``: one head forward for all of them)
+        do; a seeded row proposes alone, so its drafts, and its sample, are those it gets alone."""
+        proposals: dict[int, object] = {}
+        together: dict[tuple, list[int]] = {}
+        for b, (row, cap) in enumerate(zip(rows, caps)):
+            if not cap:
+                continue
+            self._catch_up(row)
+            drafter = row.drafter
+            if hasattr(drafter, "propose_rows") and row.sampler.params.seed is None:
+                together.setdefault((type(drafter), id(getattr(drafter, "model", None))), []).append(b)
+            else:
+                proposals[b] = drafter.propose(row.stats.ids, cap, row.sampler)
+        for group in together.values():
+            drafter = rows[group[0]].drafter
+            made = drafter.propose_rows([(rows[b].drafter, rows[b].stats.ids, caps[b], rows[b].sampler) for b in group])
+            proposals.update(zip(group, made))
+        plans = []
+        for b, cap in enumerate(caps):
+            draft = proposals.get(b)
+            if draft is None or len(draft) == 0:
+                plans.append((cap, [], None))
+                continue
+            if len(draft) > cap:
+                draft.tokens = draft.tokens[:cap]
+                draft.probs = None if draft.probs is None else draft.probs[:cap]
+            plans.append((cap, draft.tokens.tolist(), draft))
+        return plans
+
+    def _catch_up(self, row: BatchRow) -> None:
         t0 = self.clock()
-        if drafter.catch_up(ids):  # a one-off backlog: not the round's cost
+        if row.drafter.catch_up(row.stats.ids):  # a one-off backlog: not the round's cost
             caught_up = self.clock() - t0
             row.t_last += caught_up
             _tell_catch_up(row.cap_policy, caught_up)
-        draft = drafter.propose(ids, cap, row.sampler)
-        if draft is None or len(draft) == 0:
-            return [], None
-        if len(draft) > cap:
-            draft.tokens = draft.tokens[:cap]
-            draft.probs = None if draft.probs is None else draft.probs[:cap]
-        return draft.tokens.tolist(), draft
 
     def _emit(self, row: BatchRow, tokens: list[int], drafted: int, accepted: int, cap: int,
               draft_s: float = 0.0, verify_s: float = 0.0, drafted_by: str = "", logprobs: list | None = None

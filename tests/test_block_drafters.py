@@ -755,3 +755,44 @@ def test_device_cut_and_replayed_cut_agree_at_every_boundary(rule):
         for threshold in (at, np.nextafter(at, 0.0), np.nextafter(at, 1.0), float(np.float32(at)), 0.0, 1.0):
             want = keep_count(conf.tolist(), float(threshold), rule)
             assert confident_prefix(mx.array(conf), float(threshold), rule) == want, (conf.tolist(), threshold)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_rows_propose_together_what_each_proposes_alone(tmp_path, head):
+    """A batch's DSpark rows share one head forward (``propose_rows``): each row's drafts, its
+    q and its confidence cut are those ``propose`` gives it alone, greedy and sampling."""
+    from engine.drafters.dspark import DSparkDrafter
+
+    engine = make_tiny_engine("qwen3", seed=3)
+    path = write_dspark(tmp_path / head, engine, markov_rank=16, markov_head_type=head, taps=[0, 2], markov_scale=40.0)
+    base = drafter_for(engine, path, "dspark")
+    target = engine.target
+    target.set_taps(base.tap_layers)
+    contexts = [[7, 8, 9, 10, 11, 12], [3, 4, 5, 6], [20, 21, 22, 23, 24, 25, 26, 27]]
+    rows = []
+    for ids in contexts:
+        d = base.fork()
+        _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
+        d.begin(ids[:-1], hidden)
+        rows.append((d, ids))
+    caps = [base.max_draft, 3, 5]
+    cut = 0
+    for threshold in (0.0, 0.3, 0.45, 0.5, 0.55, 0.7):  # no cut, then confidence cuts per row
+        base._threshold = lambda t=threshold: t
+        for d, _ in rows:
+            d._threshold = base._threshold
+        greedy = [d.propose(ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)]
+        together = DSparkDrafter.propose_rows([(d, ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)])
+        assert [None if g is None else g.tokens.tolist() for g in greedy] == \
+            [None if t is None else t.tokens.tolist() for t in together]
+        cut += sum(g is None or len(g) < cap for g, cap in zip(greedy, caps))
+    assert cut > 0  # some cut cut something
+    base._threshold = lambda: 0.0
+    for d, _ in rows:
+        d._threshold = base._threshold
+    samplers = lambda: [Sampler(SamplingParams(0.8, 1.0, 20, seed=s)) for s in (1, 2, 3)]  # noqa: E731
+    alone = [d.propose(ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())]
+    together = DSparkDrafter.propose_rows([(d, ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())])
+    for a, t in zip(alone, together):
+        assert a.tokens.tolist() == t.tokens.tolist()
+        assert np.abs(np.array(a.probs) - np.array(t.probs)).max() < 1e-6

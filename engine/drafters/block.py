@@ -446,12 +446,14 @@ class MarkovHead(nn.Module):
         return mx.zeros((self.rank,), dtype=dtype) if self.kind == "rnn" else None
 
     def step(self, prev: mx.array, h: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array | None]:
-        """Bias [V] for one slot given the previous token (scalar) and the slot's state h [H]."""
-        e = self.markov_w1(prev.reshape(1))[0]  # (a quantized embedding wants an index array)
+        """Bias [V] for one slot given the previous token (scalar) and the slot's state h [H];
+        for B sequences at once: prev [B], h [B, H], state [B, rank] -> bias [B, V]."""
+        # (a quantized embedding wants an index array)
+        e = self.markov_w1(prev.reshape(-1)).reshape(*prev.shape, self.rank)
         if self.kind == "gated":
-            e = mx.sigmoid(self.gate_proj(mx.concatenate([h, e]))) * e
+            e = mx.sigmoid(self.gate_proj(mx.concatenate([h, e], axis=-1))) * e
         elif self.kind == "rnn":
-            gate, cand, out = mx.split(self.joint_proj(mx.concatenate([state, e, h])), 3)
+            gate, cand, out = mx.split(self.joint_proj(mx.concatenate([state, e, h], axis=-1)), 3, axis=-1)
             gate = mx.sigmoid(gate)
             state = gate * state + (1.0 - gate) * mx.tanh(cand)
             e = mx.tanh(out)

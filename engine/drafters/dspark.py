@@ -71,6 +71,46 @@ def chain_tokens(model: DSparkModel, h: mx.array, anchor: int, sampler: Sampler,
     return mx.stack(tokens), q, mx.stack(prevs)
 
 
+def chain_rows(model: DSparkModel, h: mx.array, anchors: Sequence[int], samplers: Sequence[Sampler],
+               vocab: mx.array | None = None) -> tuple[mx.array, list[mx.array | None], mx.array]:
+    """``chain_tokens`` for B sequences at once: block states h [B, k, H] -> tokens [B, k], each
+    row's q [k, V] (None when greedy) and previous tokens [B, k]. The head reads its weights once
+    for every row, the Markov head once per slot; each row samples with its own sampler, in the
+    order ``chain_tokens`` draws its keys. All lazy."""
+    base = model.logits(h)
+    to_token = (lambda i: i) if vocab is None else (lambda i: vocab[i])
+    rows, slots = h.shape[0], h.shape[1]
+    head = getattr(model, "markov_head", None)
+    prev = mx.array([int(a) for a in anchors], dtype=mx.uint32)
+    state = head.initial_state(h.dtype) if head is not None else None
+    if state is not None:
+        state = mx.broadcast_to(state, (rows, state.shape[-1]))
+    greedy = all(s.greedy for s in samplers)
+    tokens, probs, prevs = [], [[] for _ in range(rows)], []
+    for k in range(slots):
+        logits = base[:, k]
+        if head is not None:
+            bias, state = head.step(prev, h[:, k], state)
+            logits = logits + bias
+        prevs.append(prev)
+        if greedy:
+            pick = mx.argmax(logits, axis=-1)
+        else:
+            picks = []
+            for b, sampler in enumerate(samplers):
+                if sampler.greedy:
+                    picks.append(mx.argmax(logits[b]))
+                else:
+                    q = sampler.probs(logits[b])
+                    probs[b].append(q)
+                    picks.append(sample_from(q, sampler.next_key()))
+            pick = mx.stack(picks)
+        prev = to_token(pick).astype(mx.uint32)
+        tokens.append(prev)
+    qs = [spread_to_vocab(mx.stack(p), vocab, model.cfg.vocab_size) if p else None for p in probs]
+    return mx.stack(tokens, axis=1), qs, mx.stack(prevs, axis=1)
+
+
 def confidences(model: DSparkModel, h: mx.array, prevs: mx.array) -> mx.array:
     """c_k = sigmoid(w·[h_k; W1[x_{k-1}]] + b) per slot [k]."""
     feats = h
@@ -172,3 +212,27 @@ class DSparkDrafter(BlockDrafter):
                 return None
             tokens, q = tokens[:keep], (None if q is None else q[:keep])
         return Draft(tokens, q)
+
+    @staticmethod
+    def propose_rows(requests: Sequence[tuple["DSparkDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
+        """``propose`` for several sequences whose drafters share one model (rows of a batch,
+        engine/batch.py): each runs its own block over its own context, then the head, the
+        Markov chain and the confidence cut run once over every row. Each row's draft is one
+        that ``propose`` could give it alone (the head's sums may differ in the last bits)."""
+        if len(requests) == 1 or any(d.trace is not None for d, _, _, _ in requests):
+            return [d.propose(ids, cap, s) for d, ids, cap, s in requests]
+        first = requests[0][0]
+        caps = [min(int(cap), d.max_draft) for d, _, cap, _ in requests]
+        width = max(caps)
+        h = mx.stack([d.block_states(ids)[:width] for d, ids, _, _ in requests])
+        tokens, qs, prevs = chain_rows(first.model, h, [int(ids[-1]) for _, ids, _, _ in requests],
+                                       [s for _, _, _, s in requests], first.vocab_ids)
+        cuts = [d.cut() for d, _, _, _ in requests]
+        conf = None
+        if any(t is not None for _, t in cuts):
+            conf = confidences(first.model, h, prevs).astype(mx.float32).tolist()
+        out: list[Draft | None] = []
+        for b, ((rule, threshold), cap, q) in enumerate(zip(cuts, caps, qs)):
+            keep = cap if threshold is None else keep_count(conf[b][:cap], threshold, rule)
+            out.append(Draft(tokens[b, :keep], None if q is None else q[:keep]) if keep > 0 else None)
+        return out
