@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context lengths in tokens (e.g. 512,2048,8192): before each prompt a preamble of exactly N "
                         "tokens of shipped text (Tandem's own source for code prompts, Spec-Bench's articles for the "
                         "rest); prints each mode's speed-up against the context length")
+    p.add_argument("--agent-replay", action="store_true",
+                   help="replay a coding agent's session built from Tandem's own source (16 requests, each the whole "
+                        "conversation so far): tok/s per mode, lookup with the suffix index emptied before every "
+                        "request (in-context) and kept across the session (+suffix)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,10 +65,14 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts_per_class < 1:
         raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
     contexts = parse_contexts(args.context) if args.context is not None else None
-    if contexts is not None and (args.concurrent or args.multi_turn):
-        raise TandemError("--context runs one request at a time on single-turn prompts: drop --concurrent and --multi-turn")
+    chosen = [flag for flag, on in (("--concurrent", args.concurrent), ("--multi-turn", args.multi_turn),
+                                    ("--context", contexts is not None), ("--agent-replay", args.agent_replay)) if on]
+    if len(chosen) > 1:
+        raise TandemError(f"{chosen[0]} and {chosen[1]} are separate benchmarks: pick one")
     if args.multi_turn:
         return _multi_turn(args, modes)
+    if args.agent_replay:
+        return _agent_replay(args, modes)
     classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
     folder = Path(args.prompts_dir) if args.prompts_dir else None
     if args.concurrent:  # a class's group is its first N prompts
@@ -124,6 +132,25 @@ def _multi_turn(args: argparse.Namespace, modes: list[str]) -> int:
     finally:
         close()
     print(format_multi_turn(report))
+    return _finish(args, report)
+
+
+def _agent_replay(args: argparse.Namespace, modes: list[str]) -> int:
+    from engine.agent_bench import format_agent_replay, run_agent_replay
+
+    arms = make_arms(modes, parse_caps(args.max_draft))
+    eng = load_engine(args)
+    cal_progress, cal_close = tqdm_progress("calibrating")
+    warm_progress, warm_close = tqdm_progress("warming up")
+    progress, close = tqdm_progress(f"agent replay {eng.name}")
+    try:
+        report = run_agent_replay(eng, arms, trials=args.trials, max_new_tokens=args.max_new_tokens, progress=progress,
+                                  calibration_progress=cal_progress, warmup_progress=warm_progress)
+    finally:
+        cal_close()
+        warm_close()
+        close()
+    print(format_agent_replay(report))
     return _finish(args, report)
 
 
