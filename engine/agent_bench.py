@@ -33,6 +33,7 @@ from engine.benchmark import (
     arm_order,
     calibrate_arms,
     check_lossless,
+    divergence_line,
     forget_earlier_requests,
     lossless_label,
     stamp,
@@ -180,10 +181,7 @@ def format_agent_replay(report: dict) -> str:
     for name, ratio in report["suffix_vs_context"].items():
         lines.append(f"suffix drafts vs in-context lookup alone ({name}): {ratio:.2f}x "
                      f"(issue 43's target: >= {report['target']:.1f}x)")
-    for d in report["divergences"]:
-        kind = "near-tie" if d["near_tie"] else "MISMATCH"
-        lines.append(f"divergence ({kind}): {d['arm']} trial {d['trial']} request {d['prompt']} ({d['cls']}) at token "
-                     f"{d['index']}: baseline {d['baseline_token']} vs {d['arm_token']}; margin {d['margin']:.3g}")
+    lines += [divergence_line(d, f"trial {d['trial']} request {d['prompt']} ({d['cls']})") for d in report["divergences"]]
     if not report["divergences"]:
         lines.append("lossless: every arm reproduced baseline's tokens on every request")
     return "\n".join(lines)

@@ -370,6 +370,14 @@ def lossless_label(arm: dict) -> str:
     return f"yes, {ties} tie{'s' if ties != 1 else ''}" if ties else "yes"
 
 
+def divergence_line(d: dict, where: str) -> str:
+    """One divergence of the lossless check, for a report's text: which arm, ``where`` (the
+    prompt, trial ...), both tokens and the target's own top-2 margin there."""
+    kind = "near-tie" if d["near_tie"] else "MISMATCH"
+    return (f"divergence ({kind}): {d['arm']} {where} at token {d['index']}: baseline {d['baseline_token']} vs "
+            f"{d['arm_token']}; margin {d['margin']:.3g}")
+
+
 def conversation(engine: "Engine", turns: Turns, max_new_tokens: int) -> list[dict] | str:
     """Chat messages for the last of ``turns``: each earlier turn answered by the target's own
     greedy baseline (the same for every arm). Without a chat template: the turns as one text."""

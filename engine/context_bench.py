@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from engine.benchmark import Arm, lossless_label, run_benchmark, stamp
+from engine.benchmark import Arm, divergence_line, lossless_label, run_benchmark, stamp
 from engine.corpus import token_prefix
 from engine.errors import TandemError
 
@@ -108,8 +108,6 @@ def format_context(report: dict) -> str:
                         for t, r in zip(a["tok_s"], a["ratio"]))
         lines.append(f"{name:<14}{cells}  {lossless_label(a)}")
     lines.append("decode tok/s, median over trials (prefill excluded); (x): ratio to baseline at the same length")
-    for d in report["divergences"]:
-        kind = "near-tie" if d["near_tie"] else "MISMATCH"
-        lines.append(f"divergence ({kind}): {d['arm']} at {d['context']} tokens, trial {d['trial']} prompt "
-                     f"{d['prompt']} ({d['cls']}) at token {d['index']}: margin {d['margin']:.3g}")
+    lines += [divergence_line(d, f"at {d['context']} tokens, trial {d['trial']} prompt {d['prompt']} ({d['cls']})")
+              for d in report["divergences"]]
     return "\n".join(lines)

@@ -47,6 +47,10 @@ def cache_dir(tmp_path, module_cache, monkeypatch):
     return tmp_path
 
 
+PLANTED = {"arm": "lookup@4", "trial": 0, "prompt": 1, "cls": "chat", "index": 3, "baseline_token": 7, "arm_token": 9,
+           "margin": 0.5, "near_tie": False}
+
+
 # ------------------------------------------------------------------ --context
 def find(ids: list[int], part: list[int]) -> int:
     return next(i for i in range(len(ids) - len(part) + 1) if ids[i: i + len(part)] == part)
@@ -100,6 +104,9 @@ def test_context_report_has_every_length_per_arm(eng, cache_dir):
     json.dumps(report)
     table = CB.format_context(report)
     assert "N=48 tok/s (x)" in table and re.search(r"lookup@4 +[\d.]+ \(\d\.\d\d\)", table)
+    planted = dict(report, divergences=[dict(PLANTED, context=48)])
+    assert "divergence (MISMATCH): lookup@4 at 48 tokens, trial 0 prompt 1 (chat) at token 3: baseline 7 vs 9" \
+        in CB.format_context(planted)
 
 
 # ------------------------------------------------------------------ --agent-replay
@@ -171,6 +178,8 @@ def test_agent_replay_report_on_a_tiny_model(eng, cache_dir):
     json.dumps(report)
     table = AB.format_agent_replay(report)
     assert "suffix drafts vs in-context lookup alone (lookup@4)" in table and "lossless: every arm" in table
+    planted = dict(report, divergences=[dict(PLANTED, cls="r1")])
+    assert "MISMATCH): lookup@4 trial 0 request 1 (r1) at token 3" in AB.format_agent_replay(planted)
 
 
 def test_agent_replay_empties_the_index_only_for_the_in_context_arm(eng, monkeypatch):
