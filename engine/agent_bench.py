@@ -90,6 +90,13 @@ def replay(engine: "Engine", requests: Sequence[list[int]], arm: ReplayArm,
                               max_draft=None if arm.arm.mode == "baseline" else arm.arm.cap)
 
 
+def best_tps(runs: Sequence[Sequence["GenerationResult"]]) -> float:
+    """Decode tok/s with each request's fastest trial (contention only ever adds time)."""
+    tokens = sum(max(0, r.generated - 1) for r in runs[0])
+    seconds = sum(min(rs[j].decode_s for rs in runs) for j in range(len(runs[0])))
+    return tokens / seconds if seconds > 0 else 0.0
+
+
 def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session | None = None, trials: int = 1,
                      max_new_tokens: int = 128, progress: Callable[[int, int, str], None] | None = None,
                      calibration_progress: Callable | None = None,
@@ -140,6 +147,7 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
             "mode": a.arm.mode, "cap": a.arm.cap if a.arm.cap is not None else runs[0][0].cap,
             "suffix_index": a.keep_index, "tok_s": statistics.median(tps), "tok_s_trials": tps,
             "ratio": statistics.median(t / b for t, b in zip(tps, base)) if all(base) else None,
+            "best_tok_s": best_tps(runs), "best_ratio": best_tps(runs) / best_tps(results["baseline"]),
             "accept_per_round": _accept_per_round([r for rs in runs for r in rs]),
             "prefill_s": statistics.median(sum(r.prefill_s for r in rs) for rs in runs),
             "session_s": statistics.median(sum(r.prefill_s + r.decode_s for r in rs) for rs in runs),
@@ -153,7 +161,8 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
     for a in rarms:
         if a.arm.mode == "lookup" and a.keep_index:
             kept, alone = results[a.name], results[ReplayArm(a.arm, keep_index=False).name]
-            suffix_vs_context[a.arm.name] = statistics.median(_tps(k) / _tps(c) for k, c in zip(kept, alone))
+            suffix_vs_context[a.arm.name] = {"ratio": statistics.median(_tps(k) / _tps(c) for k, c in zip(kept, alone)),
+                                             "best_ratio": best_tps(kept) / best_tps(alone)}
     return {
         **stamp(engine), "trials": trials, "max_new_tokens": max_new_tokens,
         "session": {"task": f"rename {session.symbol} to {session.new_name}",
@@ -171,16 +180,17 @@ def format_agent_replay(report: dict) -> str:
              f"{report['precision']}) | agent session ({report['session']['task']}): {len(reqs)} requests of "
              f"{min(r['prompt_tokens'] for r in reqs)}-{max(r['prompt_tokens'] for r in reqs)} prompt tokens, "
              f"{report['trials']} trial(s), up to {report['max_new_tokens']} new tokens each",
-             f"{'arm':<26}{'tok/s':>8}{'x base':>8}{'acc/rnd':>9}{'prefill s':>11}{'session s':>11}  lossless"]
+             f"{'arm':<26}{'tok/s':>8}{'x base':>8}{'best':>8}{'x base':>8}{'acc/rnd':>9}{'prefill s':>11}"
+             f"{'session s':>11}  lossless"]
     for name, a in report["arms"].items():
         ratio = f"{a['ratio']:8.2f}" if a["ratio"] is not None else f"{'-':>8}"
-        lines.append(f"{name:<26}{a['tok_s']:8.1f}{ratio}{a['accept_per_round']:9.2f}{a['prefill_s']:11.2f}"
-                     f"{a['session_s']:11.2f}  {lossless_label(a)}")
+        lines.append(f"{name:<26}{a['tok_s']:8.1f}{ratio}{a['best_tok_s']:8.1f}{a['best_ratio']:8.2f}"
+                     f"{a['accept_per_round']:9.2f}{a['prefill_s']:11.2f}{a['session_s']:11.2f}  {lossless_label(a)}")
     lines.append("tok/s: decode tokens per second over the session's requests (prefill excluded), median of trials; "
-                 "each request is the whole conversation so far (prefix cache on)")
-    for name, ratio in report["suffix_vs_context"].items():
-        lines.append(f"suffix drafts vs in-context lookup alone ({name}): {ratio:.2f}x "
-                     f"(issue 43's target: >= {report['target']:.1f}x)")
+                 "best: each request's fastest trial; each request is the whole conversation so far (prefix cache on)")
+    for name, r in report["suffix_vs_context"].items():
+        lines.append(f"suffix drafts vs in-context lookup alone ({name}): {r['ratio']:.2f}x, best of trials "
+                     f"{r['best_ratio']:.2f}x (issue 43's target: >= {report['target']:.1f}x)")
     lines += [divergence_line(d, f"trial {d['trial']} request {d['prompt']} ({d['cls']})") for d in report["divergences"]]
     if not report["divergences"]:
         lines.append("lossless: every arm reproduced baseline's tokens on every request")

@@ -64,7 +64,7 @@ REMEASURES = 2  # extra measurements of a curve a contention burst bent
 BENT = 1.25  # a narrower forward costing this much more than a wider one: a burst, not the machine
 AGREE = 0.10  # two measurements of a curve this close everywhere: what the machine does
 LONG_CONTEXT = 8  # x the curves' context (4096 tokens): where the costs are measured again (Calibration.at_context)
-LONG_WIDTHS = (1, 2, 4, 8, 16)  # ... at these verify widths (and the widest), and the drafter at 3 caps
+LONG_WIDTHS = (1, 4, 8)  # ... at these verify widths (and the widest; slopes in between interpolate), the drafter at 3 caps
 CONTEXT_TABLE = (512, 2048, 8192, 32768)  # contexts the report prices the default cap at
 
 Progress = Callable[[int, int, str], None]  # (done, total, stage)
