@@ -38,6 +38,7 @@ from engine.speculative import (
     _cheap_draft_stop,
     _plain_run_length,
     _tell_catch_up,
+    _tell_context,
     _tell_no_draft,
     stop_block,
 )
@@ -266,6 +267,7 @@ class BatchLoop:
         ids = row.stats.ids
         remaining = row.max_new_tokens - row.generated
         if row.run_left == 0:
+            _tell_context(policy, len(ids))
             cap = max(0, min(policy.cap(), drafter.max_draft, remaining - 1))
             if cap and not drafter.draft_ready(ids):  # nothing to propose: plain steps until there is
                 _tell_no_draft(policy)

@@ -186,6 +186,14 @@ def forget_earlier_requests(engine: "Engine") -> None:
         engine.suffix_index.clear()
 
 
+def calibrate_arms(engine: "Engine", arms: Sequence[Arm], progress: Callable | None = None) -> dict:
+    """Each speculative mode's calibration, measured (or loaded) before any timing starts."""
+    from engine.calibrate import calibrate
+
+    return {mode: calibrate(engine, mode, engine.drafter(mode), progress=progress)
+            for mode in dict.fromkeys(a.mode for a in arms if a.mode != "baseline")}
+
+
 def stamp(engine: "Engine") -> dict:
     """What the figures depend on: machine, backend, MLX, model."""
     import mlx.core as mx
@@ -214,7 +222,6 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
 
     ``prompts``: (class, prompt) where prompt is text (chat-templated), chat messages, token
     ids or ``Turns`` (answered turn by turn by the target's greedy baseline, untimed)."""
-    from engine.calibrate import calibrate
     from engine.roofline import RooflineModel, measure_bandwidth
 
     if not prompts:
@@ -224,11 +231,7 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
     arms = list(arms)
     if not arms or arms[0] != Arm("baseline"):
         arms = [Arm("baseline")] + [a for a in arms if a.mode != "baseline"]
-    calibrations = {}
-    for arm in arms:  # measure (or load) calibrations before any timing starts
-        if arm.mode != "baseline" and arm.mode not in calibrations:
-            cal = calibrate(engine, arm.mode, engine.drafter(arm.mode), progress=calibration_progress)
-            calibrations[arm.mode] = cal
+    calibrations = calibrate_arms(engine, arms, calibration_progress)
     if bandwidth is None:
         bandwidth = next((c.bandwidth for c in calibrations.values() if c.bandwidth), None) or measure_bandwidth()
 
@@ -365,6 +368,14 @@ def lossless_label(arm: dict) -> str:
         return "NO"
     ties = arm.get("ties", 0)
     return f"yes, {ties} tie{'s' if ties != 1 else ''}" if ties else "yes"
+
+
+def divergence_line(d: dict, where: str) -> str:
+    """One divergence of the lossless check, for a report's text: which arm, ``where`` (the
+    prompt, trial ...), both tokens and the target's own top-2 margin there."""
+    kind = "near-tie" if d["near_tie"] else "MISMATCH"
+    return (f"divergence ({kind}): {d['arm']} {where} at token {d['index']}: baseline {d['baseline_token']} vs "
+            f"{d['arm_token']}; margin {d['margin']:.3g}")
 
 
 def conversation(engine: "Engine", turns: Turns, max_new_tokens: int) -> list[dict] | str:

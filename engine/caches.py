@@ -218,6 +218,28 @@ def restore(cache: list, snap: list) -> None:
         c.state = _handles(state)
 
 
+def repeat_rows(cache: list, rows: int) -> None:
+    """Lengthen every full-attention cache to ``rows`` tokens by repeating the rows it holds: a
+    forward after it costs what one after ``rows`` real tokens costs (attention reads every row,
+    whatever its values), without prefilling them. For timing only (the calibration's long
+    context): the rows are no real sequence's. Windowed and recurrent caches stay as they are
+    (what they read does not grow with the context)."""
+    grown = []
+    for c in leaves(cache):
+        held = getattr(c, "offset", 0)
+        if type(c) not in TRIMMED or not held or held >= rows:
+            continue
+        copies = -(-rows // held)
+
+        def longer(x: mx.array, held: int = held, copies: int = copies) -> mx.array:
+            return mx.concatenate([x[..., :held, :]] * copies, axis=2)[..., :rows, :]
+
+        c.keys, c.values = tree_map(longer, (c.keys, c.values))
+        c.offset = rows
+        grown.append((c.keys, c.values))
+    mx.eval(grown)
+
+
 def _mark(c: Any) -> Any:
     if type(c) in TRIMMED:
         return int(c.offset)  # rows past the mark are only ever appended: the offset suffices

@@ -16,7 +16,12 @@ one row; with MLX's CPU quantized kernels they cost 16x (spec/models.md §3.4). 
 * for a DSpark drafter with a confidence head, the cut (rule and threshold) that pays here:
   a greedy trace of its per-slot scores and the target's acceptance on a few shipped prompts,
   priced with these curves (``tune_cut``);
-* the machine's copy bandwidth (for the roofline).
+* the machine's copy bandwidth (for the roofline);
+* the same forwards after ``LONG_CONTEXT`` x as many tokens (4096), at a few widths (and the drafter at a few
+  caps): attention reads every row of the context, so a long agent request's rounds and plain
+  steps cost more, wider ones more so; ``Calibration.at_context`` prices a request's own length
+  from the two, and ``--max-draft auto`` follows the sequence as it grows. The long cache is the
+  short one's rows repeated (``caches.repeat_rows``): no long prefill to wait for.
 
 Warm-ups, then medians over interleaved passes (a contended machine shifts all widths alike
 instead of bending the curve). A burst that bends one anyway (a narrower forward costing more
@@ -46,7 +51,7 @@ from engine.errors import TandemError
 from engine.paths import cache_root, read_json, write_json_atomic
 from engine.protocols import EngineLike
 
-SCHEMA = 4  # 4: verify curves of batched forwards (continuous batching)
+SCHEMA = 5  # 4: verify curves of batched forwards (continuous batching); 5: costs at a long context
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
 MAX_TOKENS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
@@ -58,6 +63,9 @@ BATCH_MAX_WIDTH = 9  # ... over widths 1..9 (a batch's caps are small; wider one
 REMEASURES = 2  # extra measurements of a curve a contention burst bent
 BENT = 1.25  # a narrower forward costing this much more than a wider one: a burst, not the machine
 AGREE = 0.10  # two measurements of a curve this close everywhere: what the machine does
+LONG_CONTEXT = 8  # x the curves' context (4096 tokens): where the costs are measured again (Calibration.at_context)
+LONG_WIDTHS = (1, 4, 8)  # ... at these verify widths (and the widest; slopes in between interpolate), the drafter at 3 caps
+CONTEXT_TABLE = (512, 2048, 8192, 32768)  # contexts the report prices the default cap at
 
 Progress = Callable[[int, int, str], None]  # (done, total, stage)
 
@@ -344,6 +352,23 @@ def measure_batch_verify(target: Any, cache: list, rows: int, ids: Sequence[int]
     return _median_passes(len(widths), passes, one, tick)
 
 
+def long_points(widths: Sequence[int], caps: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The verify widths (of those measured: ``LONG_WIDTHS`` and the widest) and drafter caps (the
+    first, middle and last) measured again at the long context."""
+    long_widths = [w for w in widths if w in LONG_WIDTHS or w == widths[-1]]
+    long_caps = sorted({caps[0], caps[len(caps) // 2], caps[-1]}) if caps else []
+    return long_widths, long_caps
+
+
+def repeat_hidden(hidden: mx.array | None, rows: int) -> mx.array | None:
+    """A tapped hidden-state block (rows first) repeated to ``rows`` rows, as ``caches.repeat_rows``
+    lengthens the target's caches: the drafter's context as long as the target's."""
+    if hidden is None:
+        return None
+    copies = -(-rows // hidden.shape[0])
+    return mx.concatenate([hidden] * copies, axis=0)[:rows]
+
+
 def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], passes: int,
                     tick: Callable[[], None] = lambda: None) -> list[float]:
     from engine.sampling import Sampler, SamplingParams
@@ -464,9 +489,10 @@ def tune_cut(cal: Calibration, trace: Sequence[tuple[list[float], int]], default
 
 def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None = None, *, recalibrate: bool = False,
               progress: Progress | None = None, passes: int = PASSES, context: int = CONTEXT,
-              overhead_rounds: int = OVERHEAD_ROUNDS) -> Calibration:
+              overhead_rounds: int = OVERHEAD_ROUNDS, long_context: int | None = None) -> Calibration:
     """This pair's calibration: from the cache unless ``recalibrate``, else measured (seconds)
-    and cached. ``progress(done, total, stage)`` reports the measurement."""
+    and cached. ``progress(done, total, stage)`` reports the measurement. ``long_context``: the
+    context the costs are measured at again (default ``LONG_CONTEXT`` x ``context``; 0: not)."""
     if drafter is None:
         drafter = engine.drafter(mode)
     if drafter is None:
@@ -481,18 +507,21 @@ def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None 
             apply_cut(drafter, cached)
             return cached
     cal = measure(engine, drafter, fields, progress=progress, passes=passes, context=context,
-                  overhead_rounds=overhead_rounds)
+                  overhead_rounds=overhead_rounds, long_context=long_context)
     save(cal)
     apply_cut(drafter, cal)
     return cal
 
 
 def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Progress | None = None,
-            passes: int = PASSES, context: int = CONTEXT, overhead_rounds: int = OVERHEAD_ROUNDS) -> Calibration:
+            passes: int = PASSES, context: int = CONTEXT, overhead_rounds: int = OVERHEAD_ROUNDS,
+            long_context: int | None = None) -> Calibration:
+    from engine import caches
     from engine.roofline import measure_bandwidth
 
     target = engine.target
     t_start = time.perf_counter()
+    long_context = LONG_CONTEXT * context if long_context is None else long_context
     forwards = target.forwards
     shapes = target.shapes
     if shapes is not None:  # the loop pads every verify to the ladder: measure those widths only
@@ -511,7 +540,12 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
         except TandemError:
             tune = False  # no prompts to trace: keep the drafter's own cut
     n_batch = len(BATCH_ROWS) * sum(w <= BATCH_MAX_WIDTH for w in widths) if target.batch_blocker() is None else 0
-    total = 1 + (passes + 1) * (len(widths) + len(caps) + n_batch) + 4 * overhead_rounds + len(texts) + 1
+    # the drafter again at the long context where it reads the target's hidden states (repeated
+    # like the cache); a draft model would need a long prefill of its own: its curve stays as measured
+    long_widths, long_caps = long_points(widths, caps if drafter.tap_layers else []) if long_context > context \
+        else ([], [])
+    total = (1 + (passes + 1) * (len(widths) + len(caps) + n_batch + len(long_widths) + len(long_caps))
+             + 4 * overhead_rounds + len(texts) + 1)
     done = 0
 
     def tick(stage: str) -> Callable[[], None]:
@@ -558,10 +592,29 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
                     lambda rows=rows: measure_batch_verify(target, cache, rows, probe, batch_widths, passes,
                                                            tick(f"verify curve, {rows} sequences")),
                     on_remeasure=more(len(batch_widths)))
+        long_verify_ms: list[float] = []
+        long_draft_ms: list[float] = []
+        if long_widths:  # last: the cache is lengthened in place
+            caches.repeat_rows(cache, long_context)
+            long_ids = synthetic_prompt(target.vocab_size, long_context)
+            probe = long_ids[-64:] + long_ids[: max(0, max(long_widths) - 64)]
+            long_verify_ms = steady_curve(
+                lambda: measure_verify(target, cache, probe, long_widths, passes, tick("verify curve, long context")),
+                on_remeasure=more(len(long_widths)))
+            if long_caps:
+                costly = getattr(drafter, "model_drafter", drafter)
+                costly.begin(long_ids, repeat_hidden(hidden, long_context))
+                long_draft_ms = steady_curve(
+                    lambda: measure_drafter(costly, long_ids + [long_ids[-64]], long_caps, passes,
+                                            tick("drafter curve, long context")),
+                    on_remeasure=more(len(long_caps)))
         del cache, hidden
         cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms,
                           pad_widths=list(shapes.widths) if shapes is not None else [],
-                          batch_verify_ms=batch_ms, batch_widths=batch_widths if batch_ms else [])
+                          batch_verify_ms=batch_ms, batch_widths=batch_widths if batch_ms else [], context=context,
+                          long_context=long_context if long_widths else 0, long_widths=long_widths,
+                          long_verify_ms=long_verify_ms, long_caps=long_caps if long_draft_ms else [],
+                          long_draft_ms=long_draft_ms)
         # The loop's own work is the same at any context: a 128-token prompt keeps the rounds'
         # prefills short (and skips a one-off slow first run seen on fresh 512-row caches); the
         # plain steps run at the curve's context, as verify(w) was measured.
@@ -602,6 +655,17 @@ def format_report(cal: Calibration, engine: EngineLike | None = None) -> str:
                   f"{rate(cal, 0, STATIC_P):.1f} plain"]
     lines.append("best cap by acceptance: " + ", ".join(
         f"p={p:g}: {best_cap(cal, p)}" for p in (0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)) + "  (0 = plain steps)")
+    if cal.long_context:
+        lines.append(f"at {cal.long_context} tokens of context: verify " + ", ".join(
+            f"w{w} {ms:.2f}" for w, ms in zip(cal.long_widths, cal.long_verify_ms)) + " ms" + "".join(
+            f" | draft c{c} {ms:.2f}" for c, ms in zip(cal.long_caps, cal.long_draft_ms)))
+        best = []
+        for n in CONTEXT_TABLE:
+            at = cal.at_context(n)
+            cap = best_cap(at, STATIC_P)
+            best.append(f"{n}: " + (f"cap {cap}, {rate(at, cap, STATIC_P) / rate(at, 0, STATIC_P):.2f}x" if cap
+                                    else "plain steps"))
+        lines.append(f"best cap by context (p={STATIC_P}, predicted speed-up): " + "; ".join(best))
     if cal.confidence_rule is not None:
         top = sorted(cal.confidence_table.items(), key=lambda kv: -kv[1])[:4]
         lines.append(f"DSpark confidence cut: {cal.confidence_rule} rule at {cal.confidence_threshold:g} "

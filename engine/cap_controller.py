@@ -27,6 +27,7 @@ CLEAR_WIN = 1.3  # the last request's latest rounds beat timed plain steps this 
 STALE_PLAIN = 1.0  # plain steps timed on earlier requests count as at most this many steps in a new one ...
 FRESH_PLAIN = 2  # ... and not at all once it has timed this many: a machine's pace drifts (the H200's by
 # up to 2x within a minute), and rounds must be judged against plain steps timed at their pace
+CONTEXT_STEP = 128  # the curves are re-priced each time the sequence grows past another multiple of this
 
 
 @dataclass
@@ -141,6 +142,11 @@ class CapController:
     * ``seeded``: decisions from the calibrated curves and observed acceptance only, never from
       live timings, so a seeded sampled run (whose tokens depend on the caps) is reproducible.
       No warm plain steps, no cost fit, no realized-rate parking.
+    * Context: the loop tells ``context(n)`` how long the sequence is before each cap; rounds and
+      plain steps are priced at that length (``Calibration.at_context``: attention's cost grows
+      with the K/V it reads), and live round times are fit net of the calibrated context cost, so
+      rounds timed on a short request still inform a long one. Where even drafts that all hold
+      lose to a plain step at this length, it parks at once (probing as above).
     * ``warm_plain``: plain steps that open each request (unseeded), timing plain steps at this
       context before the first round; skipped when the last request's latest rounds beat plain
       steps timed lately by ``CLEAR_WIN``, and then taken once its own rounds stop winning that
@@ -158,8 +164,9 @@ class CapController:
                  warm_plain: int = 0, cost_decay: float = 0.01, cost_prior: float = 0.5, position_prior: float = 4.0,
                  position_decay: float = 0.01, plain_decay: float = 0.05, plain_prior: float = 2.0,
                  realized_decay: float = 0.1):
-        self.cal = self.one_row_cal = cal
+        self.cal = self.one_row_cal = self.flat_cal = cal  # see _price
         self.rows = 1  # sequences sharing the forwards now (batch_rows)
+        self.priced_context = 0  # the sequence length ``cal`` is priced at (``context``)
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
         self.seeded = seeded
@@ -221,9 +228,9 @@ class CapController:
 
     def cost_fit(self) -> tuple[float, float]:
         """(c0 ms, c1): the live fit of round ms = c0 + c1 * g, shrunk toward (verify(1) +
-        overhead, 1)."""
+        overhead, 1), at the calibration's own context (add ``context_ms`` for this one)."""
         W, Wg, Wgg, Ws, Wgs = self.state.cost
-        c0p = self.cal.verify(1) + self.cal.overhead_ms
+        c0p = self.flat_cal.verify(1) + self.flat_cal.overhead_ms
         g_ref = max(self._g(min(8, self.max_cap), min(8, self.max_cap)), 0.1 * c0p)
         p0, p1 = self.cost_prior, self.cost_prior * g_ref * g_ref
         a, b, d = W + p0, Wg, Wgg + p1
@@ -231,6 +238,10 @@ class CapController:
         det = a * d - b * b
         c0, c1 = (e * d - b * f) / det, (a * f - b * e) / det
         return min(max(c0, 0.1 * c0p), 10 * c0p), min(max(c1, 0.02), 10.0)
+
+    def context_ms(self) -> float:
+        """What a one-row verify costs at the priced context beyond the calibration's context."""
+        return self.cal.verify(1) - self.flat_cal.verify(1)
 
     def _clear_win(self) -> bool:
         """The last request's latest rounds (``min_rounds`` / 2 at least) beat plain steps timed live on
@@ -264,7 +275,8 @@ class CapController:
     def corrected(self) -> Calibration | _Corrected:
         if self.seeded:
             return self.cal
-        return _Corrected(self.cal, *self.cost_fit(), self.plain_ms())
+        c0, c1 = self.cost_fit()
+        return _Corrected(self.cal, c0 + self.context_ms(), c1, self.plain_ms())
 
     def acceptance(self) -> list[float]:
         """p_i = P(draft i accepted | drafts before it were), i = 0..max_cap (index 0 unused):
@@ -284,7 +296,31 @@ class CapController:
         and so its tokens, must not depend on what else the server is answering."""
         if rows != self.rows and not self.seeded:
             self.rows = rows
-            self.cal = self.one_row_cal.at_batch(rows)
+            self._price()
+
+    def context(self, tokens: int) -> None:
+        """The sequence (prompt and output) is ``tokens`` long now: price rounds and plain steps
+        at this context, re-priced every ``CONTEXT_STEP`` tokens; park at once where, past the
+        calibration's own context, even drafts that all hold lose to plain steps. A seeded
+        controller follows it too (its context is a function of its own tokens: reproducible)."""
+        priced = int(tokens) - int(tokens) % CONTEXT_STEP
+        if priced == self.priced_context:
+            return
+        self.priced_context = priced
+        self._price()
+        if priced > self.one_row_cal.context and not self.state.parked and self._hopeless():
+            self._park()
+
+    def _price(self) -> None:
+        """``cal``: the curves at this batch width and context; ``flat_cal``: at this width and the
+        calibration's own context (the frame the live cost fit is kept in)."""
+        self.flat_cal = self.one_row_cal.at_batch(self.rows)
+        self.cal = self.one_row_cal.at_context(self.priced_context).at_batch(self.rows)
+
+    def _hopeless(self) -> bool:
+        """Drafts that all hold, at every cap, still lose to a plain step (the best case)."""
+        best = rates(self.corrected(), 1.0, None, self.max_cap)
+        return max(best[1:], default=0.0) < best[0]
 
     def detach(self) -> None:
         """This request decodes beside others (engine/batch.py): it learns on its own copy of the
@@ -469,11 +505,13 @@ class CapController:
         burst of contention is not the curve, and hits plain steps alike)."""
         g = self._g(k, cap)
         c0, c1 = self.cost_fit()
-        predicted = c0 + c1 * g
+        at_context = self.context_ms()
+        predicted = c0 + at_context + c1 * g
         ms = min(max(ms, 0.5 * predicted), 2.0 * predicted)
         keep = 1.0 - self.cost_decay
         W, Wg, Wgg, Ws, Wgs = (x * keep for x in self.state.cost)
-        self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + ms, Wgs + g * ms]
+        flat = ms - at_context  # the fit is kept at the calibration's context
+        self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + flat, Wgs + g * flat]
         return ms
 
     def _learn_length(self, k: int, cap: int) -> None:

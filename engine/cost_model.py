@@ -53,6 +53,13 @@ class Calibration:
     batch_verify_ms: dict = field(default_factory=dict)
     batch_widths: list[int] = field(default_factory=list)
     context: int = CONTEXT
+    # the same forwards after ``long_context`` tokens (0: not measured): verify at ``long_widths``,
+    # the drafter at ``long_caps``; ``at_context`` prices a longer context from the two
+    long_context: int = 0
+    long_widths: list[int] = field(default_factory=list)
+    long_verify_ms: list[float] = field(default_factory=list)
+    long_caps: list[int] = field(default_factory=list)
+    long_draft_ms: list[float] = field(default_factory=list)
     seconds: float = 0.0  # how long measuring took
     created: float = 0.0  # unix time
     from_cache: bool = field(default=False, compare=False)
@@ -110,6 +117,32 @@ class Calibration:
         return replace(self, verify_ms=verify, draft_ms=[ms * rows for ms in self.draft_ms],
                        overhead_ms=self.overhead_ms * rows, plain_ms=self.plain_ms * step,
                        step_overhead_ms=self.step_overhead_ms * rows, batch_verify_ms={}, batch_widths=[])
+
+    def at_context(self, tokens: int) -> "Calibration":
+        """These curves after ``tokens`` tokens of context: each forward's cost grows linearly with
+        the context it attends over (the K/V it reads), at the per-token slope measured between
+        ``context`` and ``long_context`` (per width for the verify, per cap for the drafter;
+        interpolated between the widths measured, never negative), extrapolated past it. A plain
+        step grows like a one-row verify, a batch's forward like one row's times its rows. Itself
+        at or below ``context`` (the curves as measured) or when no long context was measured."""
+        extra = int(tokens) - self.context
+        if extra <= 0 or self.long_context <= self.context or not self.long_widths:
+            return self
+        span = self.long_context - self.context
+
+        def slope(points: Sequence[int], long_ms: Sequence[float], short: Callable[[int], float]) -> Callable[[int], float]:
+            per_token = [max(0.0, (ms - short(x)) / span) for x, ms in zip(points, _isotonic(long_ms))]
+            return lambda x: _interp(points, per_token, x)
+
+        verify = slope(self.long_widths, self.long_verify_ms, self.verify)
+        draft = slope(self.long_caps, self.long_draft_ms, self.draft) if self.long_caps and self.draft_caps else None
+        return replace(
+            self, verify_ms=[ms + extra * verify(w) for w, ms in zip(self.widths, self.verify_ms)],
+            draft_ms=[ms + extra * draft(c) for c, ms in zip(self.draft_caps, self.draft_ms)] if draft else self.draft_ms,
+            plain_ms=self.plain_ms + extra * verify(1) if self.plain_ms > 0 else 0.0,
+            batch_verify_ms={b: [ms + int(b) * extra * verify(w) for w, ms in zip(self.batch_widths, curve)]
+                             for b, curve in self.batch_verify_ms.items()},
+            context=int(tokens), long_context=0, long_widths=[], long_verify_ms=[], long_caps=[], long_draft_ms=[])
 
     def to_dict(self) -> dict:
         d = asdict(self)

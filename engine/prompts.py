@@ -119,6 +119,20 @@ def load_conversations(n: int = 3, folder: Path | None = None) -> list[list[str]
     return list(islice((turns for turns in rows if len(turns) >= 2), n))
 
 
+def documents(folder: Path | None = None) -> list[str]:
+    """The long texts among the shipped prompts, in file order: Spec-Bench's CNN/Daily Mail
+    articles (their "Summarize: " cut off) and its retrieval passages (their question, the last
+    line, cut off). Real prose for benchmarks that need a long context before a prompt."""
+    out = []
+    for row in _rows((folder or prompts_dir()) / SPEC_BENCH_FILE):
+        text = row["turns"][0]
+        if row.get("category") == "summarization":
+            out.append(text.removeprefix("Summarize:").strip())
+        elif row.get("category") == "rag":
+            out.append(text.rsplit("\n", 1)[0].strip())
+    return out
+
+
 def calibration_texts(per_class: int = 1, folder: Path | None = None) -> list[str]:
     """A few real prompts (first turns of each class) for measurements that need real text."""
     return [text for _, text in load_prompts(tuple(CLASSES), per_class, folder)]

@@ -75,7 +75,8 @@ class CapPolicy(Protocol):
     the drafter has; then it asks ``cap()`` again.
     An optional ``observe_catch_up(seconds)`` hears of a drafter's catch-up before the round
     that ``observe`` reports next; an optional ``batch_rows(n)`` (engine/batch.py) hears, before
-    each round, how many sequences share its forward."""
+    each round, how many sequences share its forward; an optional ``context(n)`` hears, before
+    each ``cap()``, how many tokens the sequence holds (prompt and output)."""
 
     def cap(self) -> int: ...
 
@@ -233,6 +234,7 @@ def decode(
     t_last = clock()  # end of the last emitted round: rounds are timed emit to emit
     while True:
         remaining = max_new_tokens - generated
+        _tell_context(cap_policy, len(ids))
         cap = max(0, min(cap_policy.cap(), drafter.max_draft, remaining - 1))
         if cap and not drafter.draft_ready(ids):  # nothing to propose (no n-gram match): plain steps until there is
             _tell_no_draft(cap_policy)
@@ -307,6 +309,12 @@ def _tell_catch_up(policy: CapPolicy, seconds: float) -> None:
     told = getattr(policy, "observe_catch_up", None)
     if told is not None:
         told(seconds)
+
+
+def _tell_context(policy: CapPolicy, tokens: int) -> None:
+    told = getattr(policy, "context", None)
+    if told is not None:
+        told(tokens)
 
 
 def _tell_no_draft(policy: CapPolicy) -> None:

@@ -253,7 +253,7 @@ def test_a_curve_bent_by_contention_is_measured_again(attempts, calls, result, c
     monkeypatch.setattr(C, "measure_verify", measure_verify)
     seen = []
     cal = C.calibrate(eng, "lookup", progress=lambda d, t, s: seen.append((d, t)), passes=1,
-                      overhead_rounds=4, context=128)
+                      overhead_rounds=4, context=128, long_context=0)  # this curve only
     assert len(measured) == calls
     want = [min(values) for values in zip(*sequence)] if result == "min" else curves[result]
     assert cal.verify_ms == want and (result != "min" or C.bent(want))
@@ -278,6 +278,9 @@ def test_drafters_with_a_model_get_a_drafter_curve(kind, cache_dir, tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in cal.draft_ms)
     assert cal.draft(drafter.max_draft) >= cal.draft(1) > 0
     assert f"{kind}:" in cal.key and f"max{drafter.max_draft}" in cal.key
+    # at the long context too where it reads the target's hidden states (a draft model would need a prefill)
+    assert cal.long_caps == ([1, drafter.max_draft // 2 + 1, drafter.max_draft] if kind == "dspark" else [])
+    assert len(cal.long_draft_ms) == len(cal.long_caps) and all(ms > 0 for ms in cal.long_draft_ms)
     # the curves drive a lossless auto run through the one verify loop
     prompt = [3, 9, 4, 7, 12, 5, 3, 9, 4, 7]
     base = eng.generate(prompt, mode="baseline", max_new_tokens=20)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.benchmark import format_multi_turn, format_report, make_arms, parse_caps, run_benchmark, run_multi_turn
+from engine.context_bench import check_single_turn, format_context, parse_contexts, run_context
 from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_conversations, load_prompts, load_spec_bench
 from engine.calibrate import tqdm_progress
 from engine.errors import TandemError
@@ -46,6 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-turn", action="store_true",
                    help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
                         "time to first token with the earlier turns restored vs prefilled from token 0, per mode")
+    p.add_argument("--context", default=None, metavar="N,N,...",
+                   help="context lengths in tokens (e.g. 512,2048,8192): before each prompt a preamble of exactly N "
+                        "tokens of shipped text (Tandem's own source for code prompts, Spec-Bench's articles for the "
+                        "rest); prints each mode's speed-up against the context length")
+    p.add_argument("--agent-replay", action="store_true",
+                   help="replay a coding agent's session built from Tandem's own source (16 requests, each the whole "
+                        "conversation so far): tok/s per mode, lookup with the suffix index emptied before every "
+                        "request (in-context) and kept across the session (+suffix)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +64,15 @@ def run(args: argparse.Namespace) -> int:
         raise TandemError(f"unknown mode '{bad[0]}' in --modes: choose from {', '.join(m for m in MODES if m != 'auto')}")
     if args.prompts_per_class < 1:
         raise TandemError(f"--prompts-per-class must be at least 1, got {args.prompts_per_class}")
+    contexts = parse_contexts(args.context) if args.context is not None else None
+    chosen = [flag for flag, on in (("--concurrent", args.concurrent), ("--multi-turn", args.multi_turn),
+                                    ("--context", contexts is not None), ("--agent-replay", args.agent_replay)) if on]
+    if len(chosen) > 1:
+        raise TandemError(f"{chosen[0]} and {chosen[1]} are separate benchmarks: pick one")
     if args.multi_turn:
         return _multi_turn(args, modes)
+    if args.agent_replay:
+        return _agent_replay(args, modes)
     classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
     folder = Path(args.prompts_dir) if args.prompts_dir else None
     if args.concurrent:  # a class's group is its first N prompts
@@ -66,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = load_prompts(classes or list(CLASSES), args.prompts_per_class, folder)
     caps = parse_caps(args.max_draft)
+    if contexts is not None:
+        check_single_turn(prompts)  # before the model loads
     eng = load_engine(args)
     arms = make_arms(modes, caps, noise_floor=args.noise_floor)
     if args.concurrent:
@@ -73,15 +91,19 @@ def run(args: argparse.Namespace) -> int:
     cal_progress, cal_close = tqdm_progress("calibrating")
     warm_progress, warm_close = tqdm_progress("warming up")
     progress, close = tqdm_progress(f"benchmark {eng.name}")
+    settings = dict(trials=args.trials, max_new_tokens=args.max_new_tokens, progress=progress,
+                    calibration_progress=cal_progress, warmup_progress=warm_progress)
     try:
-        report = run_benchmark(eng, prompts, arms, trials=args.trials, max_new_tokens=args.max_new_tokens,
-                               progress=progress, calibration_progress=cal_progress, warmup_progress=warm_progress)
+        if contexts is None:
+            report = run_benchmark(eng, prompts, arms, **settings)
+        else:
+            report = run_context(eng, prompts, arms, contexts, **settings)
     finally:
         cal_close()
         warm_close()
         close()
     report["suite"] = args.suite
-    print(format_report(report))
+    print(format_report(report) if contexts is None else format_context(report))
     return _finish(args, report)
 
 
@@ -110,6 +132,25 @@ def _multi_turn(args: argparse.Namespace, modes: list[str]) -> int:
     finally:
         close()
     print(format_multi_turn(report))
+    return _finish(args, report)
+
+
+def _agent_replay(args: argparse.Namespace, modes: list[str]) -> int:
+    from engine.agent_bench import format_agent_replay, run_agent_replay
+
+    arms = make_arms(modes, parse_caps(args.max_draft))
+    eng = load_engine(args)
+    cal_progress, cal_close = tqdm_progress("calibrating")
+    warm_progress, warm_close = tqdm_progress("warming up")
+    progress, close = tqdm_progress(f"agent replay {eng.name}")
+    try:
+        report = run_agent_replay(eng, arms, trials=args.trials, max_new_tokens=args.max_new_tokens, progress=progress,
+                                  calibration_progress=cal_progress, warmup_progress=warm_progress)
+    finally:
+        cal_close()
+        warm_close()
+        close()
+    print(format_agent_replay(report))
     return _finish(args, report)
 
 
