@@ -178,14 +178,15 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
 
 
 def format_concurrent(report: dict) -> str:
+    width = max([8] + [len(c) + 1 for c in report["classes"]])
     lines = [f"{report['model']} on {report['device']} ({report['backend']}): {report['concurrent']} concurrent "
              f"requests, arrivals {report['arrival_ms']:g} ms apart, {report['max_new_tokens']} new tokens each",
-             f"{'arm':<16}{'class':<8}{'seq tok/s':>10}{'batch tok/s':>12}{'x seq':>7}{'x batched base':>15}"
+             f"{'arm':<16}{'class':<{width}}{'seq tok/s':>10}{'batch tok/s':>12}{'x seq':>7}{'x batched base':>15}"
              f"{'p50 lat':>9}{'p95 lat':>9}{'p95 ttft':>10}"]
     for name, arm in report["arms"].items():
         for cls, c in arm["classes"].items():
             seq, bat = c["sequential"], c["batched"]
-            lines.append(f"{name:<16}{cls:<8}{seq['tok_s']:>10.1f}{bat['tok_s']:>12.1f}"
+            lines.append(f"{name:<16}{cls:<{width}}{seq['tok_s']:>10.1f}{bat['tok_s']:>12.1f}"
                          f"{c['batched_vs_sequential']:>7.2f}{arm['vs_batched_baseline'][cls]:>15.2f}"
                          f"{bat['latency_p50_s']:>8.2f}s{bat['latency_p95_s']:>8.2f}s{bat['ttft_p95_s']:>9.2f}s")
     late = [(name, cls, c["late_arrival"]) for name, arm in report["arms"].items()
