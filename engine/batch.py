@@ -308,8 +308,7 @@ class BatchLoop:
                 plans.append((cap, [], None))
                 continue
             if len(draft) > cap:
-                draft.tokens = draft.tokens[:cap]
-                draft.probs = None if draft.probs is None else draft.probs[:cap]
+                draft.keep(cap)
             plans.append((cap, draft.tokens.tolist(), draft))
         return plans
 
@@ -373,8 +372,7 @@ def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int) -> t
     if most == 0:  # plain steps for a while: drafting again at once would likely be cut again
         row.run_left, row.run_stop = CUT_RUN, None
         return 0, [], None
-    draft.tokens = draft.tokens[:most]
-    draft.probs = None if draft.probs is None else draft.probs[:most]
+    draft.keep(most)
     return most, drafts[:most], draft
 
 

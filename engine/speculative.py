@@ -260,8 +260,7 @@ def decode(
             t_round = clock()
         draft = drafter.propose(ids, cap, sampler)
         if draft is not None and len(draft) > cap:
-            draft.tokens = draft.tokens[:cap]
-            draft.probs = None if draft.probs is None else draft.probs[:cap]
+            draft.keep(cap)
         k = len(draft) if draft is not None else 0
         width = k + 1
         pad = target.verify_width(width) - width if k else 0  # filler rows: read nothing, dropped by the commit

@@ -39,6 +39,11 @@ class Draft:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def keep(self, n: int) -> None:
+        """Drop all but the first ``n`` drafts (a cap, or a batch's width)."""
+        self.tokens = self.tokens[:n]
+        self.probs = None if self.probs is None else self.probs[:n]
+
 
 @dataclass
 class DrafterState:
