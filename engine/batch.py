@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from engine.drafters.base import Drafter
 from engine.sampling import Sampler, accept_block
+from engine.slot_kv import Slots
 from engine.speculative import (
     CapPolicy,
     DecodeStats,
@@ -75,6 +76,7 @@ class BatchRow:
     run_stop: Callable[[], bool] | None = None  # ends the run early (a draft is ready)
     forwards: int = 0
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
+    slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
     t_start: float = 0.0
     t_last: float = 0.0
 
@@ -107,6 +109,7 @@ class BatchLoop:
         self.rows: list[BatchRow] = []  # admitted: prefilling or decoding, in arrival order
         self.waiting: list[BatchRow] = []
         self.last_width = 0  # rows in the last tick's round (0: it ran only a prefill chunk)
+        self.slots = Slots()  # decoding rows' full-attention keys and values, one buffer per layer
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
@@ -123,6 +126,9 @@ class BatchLoop:
         for group in (self.rows, self.waiting):
             if row in group:
                 group.remove(row)
+        if row.slotted:  # its own caches back, for whoever keeps them (the prefix cache, the stats)
+            self.slots.leave(row.cache)
+            row.slotted = False
         _tell(row.cap_policy, "rejoin")
         self._admit()
 
@@ -211,6 +217,10 @@ class BatchLoop:
 
     def _round(self, rows: list[BatchRow]) -> list[Emitted]:
         t_round = self.clock()
+        for row in rows:
+            if not row.slotted:
+                self.slots.join(row.cache)
+                row.slotted = True
         for row in rows:  # the cap policy prices this round at the batch's width
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:

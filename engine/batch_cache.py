@@ -30,8 +30,9 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache
 
 from engine.caches import CacheError, Verify, leaves
+from engine.slot_kv import SlotKV
 
-BATCHABLE = (KVCache, RotatingKVCache, ArraysCache)
+BATCHABLE = (KVCache, RotatingKVCache, ArraysCache, SlotKV)
 
 
 def batchable(cache: list) -> str | None:
@@ -46,7 +47,7 @@ def batchable(cache: list) -> str | None:
 def fetched_length(c: Any, n: int) -> int:
     """Keys a single-sequence cache returns from ``update_and_fetch`` of ``n`` rows (what its own
     ``make_mask(n)`` is shaped for)."""
-    if type(c) is KVCache:
+    if type(c) in (KVCache, SlotKV):
         return int(c.offset) + n
     if type(c) is RotatingKVCache:
         if n > 1:  # _update_concat: the window in temporal order, at most max_size - 1 old rows
@@ -149,6 +150,10 @@ def _batched(rows: Sequence[Any]) -> Any:
         return CacheList(*(_batched([r.caches[m] for r in rows]) for m in range(len(rows[0].caches))))
     if kind is ArraysCache:
         return stacked(rows)
+    if kind is SlotKV:  # the rows' layer buffer itself, when the forward covers its slots in order
+        layer = rows[0].layer
+        if all(r.layer is layer for r in rows) and [r.index for r in rows] == list(range(len(layer.slots))):
+            return layer
     return RowBatch(rows)
 
 

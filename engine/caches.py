@@ -39,8 +39,9 @@ from mlx_lm.models.cache import (
 )
 
 from engine.shapes import ShapePolicy, StableKVCache  # a KVCache whose multi-row attention sees its whole buffer
+from engine.slot_kv import SlotKV  # a batch row's full-attention layer, held in the batch's buffer
 
-TRIMMED = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, StableKVCache)
+TRIMMED = (KVCache, QuantizedKVCache, ChunkedKVCache, ConcatenateKVCache, StableKVCache, SlotKV)
 KNOWN = (*TRIMMED, RotatingKVCache, ArraysCache)
 KV_GROUP_SIZE = 64
 KV_BITS = (4, 8)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # core and model loading, and everything under engine.drafters
 CORE = {"engine", "engine.errors", "engine.paths", "engine.platform", "engine.sampling", "engine.target",
         "engine.caches", "engine.recurrent", "engine.shapes", "engine.compiled", "engine.skinny_gemm", "engine.cuda_skinny",
-        "engine.speculative", "engine.batch", "engine.batch_cache", "engine.detokenize", "engine.loading", "engine.gguf",
+        "engine.speculative", "engine.batch", "engine.batch_cache", "engine.slot_kv", "engine.detokenize", "engine.loading", "engine.gguf",
         "engine.starter", "engine.processors", "engine.vision", "engine.images"}
 FRONT_ENDS = ("engine.cli", "engine.serve", "engine.train")
 

@@ -1,0 +1,254 @@
+"""Full-attention keys and values of a batch's rows kept in one buffer per layer between forwards.
+
+``RowBatch`` (engine/batch_cache.py) stacks each row's own cache into a padded batch for every
+forward: per layer, a copy of every row's keys and values, and a dozen small ops per row. On the
+starter at a few hundred tokens of context that is a quarter of a four-row plain step. Here a
+decoding row's full-attention caches (``KVCache``) move once, when the row starts decoding in a
+batch, into a ``SlotLayer`` per layer: keys and values ``[rows, heads, capacity, dim]``, row b
+left-aligned from column 0 (as its own cache holds them) and each row with its own length. A
+forward writes each row's new keys at its own length (one scatter per layer) and attends over the
+buffer up to the longest row, each row masked to its own keys: no copy of old keys at all.
+
+Each row's view of its slot, ``SlotKV``, is an ordinary trimmable cache to the rest of the engine:
+a verify's transaction rolls it back by its own accepted length by lowering its length (the rows
+past it are garbage that the mask never shows), and a row running alone appends to its slot like
+any ``KVCache``. When the row leaves, its slot becomes a plain ``KVCache`` again (a copy of its
+rows), so what outlives the batch (a prefix-cache entry, the caller's stats) never sees a slot.
+
+Columns past a row's length are masked, so a row's scores and weighted values are the sums a
+lone forward over its own keys computes, plus terms of exactly zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList, KVCache, _BaseCache
+
+STEP = 256  # columns a buffer grows by, as mlx-lm's KVCache does
+
+
+class SlotKV(_BaseCache):
+    """One row's full-attention cache of one layer, held in that layer's batch buffer."""
+
+    def __init__(self, layer: "SlotLayer", offset: int):
+        self.layer = layer
+        self.offset = offset
+
+    @property
+    def index(self) -> int:
+        return self.layer.slots.index(self)
+
+    @property
+    def keys(self) -> mx.array:
+        b = self.index
+        return self.layer.keys[b : b + 1, :, : self.offset]
+
+    @property
+    def values(self) -> mx.array:
+        b = self.index
+        return self.layer.values[b : b + 1, :, : self.offset]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """A forward of this row alone: append, then return its rows (as ``KVCache`` does)."""
+        self.layer.write([self], keys, values)
+        return self.keys, self.values
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        return KVCache.make_mask(self, n, window_size=window_size, return_array=return_array)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n  # the rows past the length stay in the buffer, masked, until overwritten
+        return n
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        raise TypeError("a row's batch slot is restored by leaving the batch first (SlotLayer.leave)")
+
+
+class SlotLayer(_BaseCache):
+    """One full-attention layer's keys and values of every row in the batch; in a batched forward
+    it is the cache the model sees for this layer."""
+
+    def __init__(self):
+        self.keys: mx.array | None = None  # [rows, heads, capacity, dim]
+        self.values: mx.array | None = None
+        self.slots: list[SlotKV] = []
+        self._index: tuple | None = None  # (offsets, n) -> the scatter positions, reused by the next layer
+
+    # -- membership ---------------------------------------------------------------------
+    def join(self, cache: KVCache) -> SlotKV:
+        """Move one row's cache into a new slot (a copy of its rows, once)."""
+        n = int(cache.offset)
+        keys, values = (cache.keys[..., :n, :], cache.values[..., :n, :]) if n else (None, None)
+        slot = SlotKV(self, n)
+        if self.keys is None:
+            if keys is None:
+                raise ValueError("a row joins a batch's slots after its prefill: its cache holds no keys yet")
+            self.keys, self.values = _room(keys, _capacity(n)), _room(values, _capacity(n))
+        else:
+            capacity = max(self.keys.shape[2], _capacity(n))
+            self.keys, self.values = _room(self.keys, capacity), _room(self.values, capacity)
+            if n:
+                keys, values = _room(keys, capacity), _room(values, capacity)
+            else:
+                keys = mx.zeros((1, *self.keys.shape[1:]), dtype=self.keys.dtype)
+                values = mx.zeros((1, *self.values.shape[1:]), dtype=self.values.dtype)
+            self.keys = mx.concatenate([self.keys, keys], axis=0)
+            self.values = mx.concatenate([self.values, values], axis=0)
+        self.slots.append(slot)
+        return slot
+
+    def leave(self, slot: SlotKV) -> KVCache:
+        """Take one row out: its rows as a plain ``KVCache`` (a copy), the others close up."""
+        b, n = slot.index, slot.offset
+        out = KVCache()
+        if n:
+            out.keys = mx.contiguous(self.keys[b : b + 1, :, :n])
+            out.values = mx.contiguous(self.values[b : b + 1, :, :n])
+            out.offset = n
+        self.slots.pop(b)
+        if not self.slots:
+            self.keys = self.values = None
+        else:
+            keep = mx.array([i for i in range(len(self.slots) + 1) if i != b])
+            self.keys, self.values = self.keys[keep], self.values[keep]
+        mx.eval(*(x for x in (out.keys, out.values, self.keys, self.values) if x is not None))
+        slot.layer = None
+        return out
+
+    # -- the batched forward ------------------------------------------------------------
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([s.offset for s in self.slots], dtype=mx.int32)
+
+    def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
+        """[rows, 1, n, keys]: row b's query i sees its own keys up to its own position."""
+        offsets = [s.offset for s in self.slots]
+        columns = mx.arange(max(offsets) + n)
+        position = mx.array(offsets)[:, None] + mx.arange(n)[None]  # [rows, n]
+        seen = columns[None, None] <= position[..., None]
+        if window_size is not None:
+            seen = seen & (columns[None, None] > position[..., None] - window_size)
+        return seen[:, None]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[0] != len(self.slots):
+            raise ValueError(f"a forward of {keys.shape[0]} rows over {len(self.slots)} slots")
+        end = self.write(self.slots, keys, values)
+        return self.keys[..., :end, :], self.values[..., :end, :]
+
+    def write(self, slots: list[SlotKV], keys: mx.array, values: mx.array) -> int:
+        """Write ``keys``/``values`` [len(slots), heads, n, dim] at each slot's own length;
+        advance the lengths. Returns the longest length after it."""
+        n = keys.shape[2]
+        end = max(s.offset for s in slots) + n
+        if end > self.keys.shape[2]:
+            capacity = _capacity(end)
+            self.keys, self.values = _room(self.keys, capacity), _room(self.values, capacity)
+        if len(slots) == 1:
+            b, at = slots[0].index, slots[0].offset
+            self.keys[b : b + 1, :, at : at + n] = keys
+            self.values[b : b + 1, :, at : at + n] = values
+        else:
+            if len(slots) != len(self.slots):
+                raise ValueError("a batched write covers every slot, in slot order")
+            where = self._positions([s.offset for s in slots], keys.shape)
+            self.keys = mx.put_along_axis(self.keys, where, keys, axis=2)
+            self.values = mx.put_along_axis(self.values, where, values, axis=2)
+        for s in slots:
+            s.offset += n
+        return end
+
+    def _positions(self, offsets: list[int], shape: tuple) -> mx.array:
+        key = (tuple(offsets), tuple(shape))
+        if self._index is None or self._index[0] != key:
+            at = mx.array(offsets)[:, None, None, None] + mx.arange(shape[2])[None, None, :, None]
+            self._index = (key, mx.broadcast_to(at, shape))
+        return self._index[1]
+
+    def empty(self) -> bool:
+        return all(s.empty() for s in self.slots)
+
+    @property
+    def state(self) -> Any:
+        raise TypeError("a batch's slot layer has no state of its own: its rows' slots do")
+
+
+def _capacity(n: int) -> int:
+    return (n // STEP + 1) * STEP
+
+
+def _room(x: mx.array, capacity: int) -> mx.array:
+    """``x`` cut or padded with zeros along axis 2 to ``capacity`` columns."""
+    have = x.shape[2]
+    if have >= capacity:
+        return x[..., :capacity, :] if have > capacity else x
+    pad = mx.zeros((*x.shape[:2], capacity - have, x.shape[3]), dtype=x.dtype)
+    return mx.concatenate([x, pad], axis=2)
+
+
+class Slots:
+    """The slot layers of one batch: per cache leaf (layer) that is a plain ``KVCache``."""
+
+    def __init__(self):
+        self.layers: dict[int, SlotLayer] = {}
+
+    def join(self, cache: list) -> None:
+        """Move a row's full-attention caches into the batch's slots, in place in ``cache``."""
+        def move(i: int, c: Any) -> Any:
+            if type(c) is not KVCache:
+                return c
+            return self.layers.setdefault(i, SlotLayer()).join(c)
+
+        _replace_leaves(cache, move)
+
+    def leave(self, cache: list) -> None:
+        """Give a row its own ``KVCache`` layers back, in place in ``cache``."""
+        def back(i: int, c: Any) -> Any:
+            if type(c) is not SlotKV:
+                return c
+            layer = c.layer
+            out = layer.leave(c)
+            if not layer.slots:
+                self.layers.pop(i, None)
+            return out
+
+        _replace_leaves(cache, back)
+
+
+def slotted(cache: list) -> bool:
+    return any(type(c) is SlotKV for c in _leaves(cache))
+
+
+def _leaves(cache: list) -> list:
+    out = []
+    for c in cache:
+        out.extend(_leaves(c.caches) if type(c) is CacheList else [c])
+    return out
+
+
+def _replace_leaves(cache: list, fn: Callable[[int, Any], Any]) -> None:
+    """Replace each leaf (``CacheList`` members opened up) by ``fn(leaf index, leaf)``, in place."""
+    counter = iter(range(1 << 30))
+
+    def walk(c: Any) -> Any:
+        if type(c) is CacheList:
+            c.caches = tuple(walk(m) for m in c.caches)
+            return c
+        return fn(next(counter), c)
+
+    for j, c in enumerate(cache):
+        cache[j] = walk(c)
