@@ -51,7 +51,8 @@ from engine.errors import TandemError
 from engine.paths import cache_root, read_json, write_json_atomic
 from engine.protocols import EngineLike
 
-SCHEMA = 5  # 4: verify curves of batched forwards (continuous batching); 5: costs at a long context
+SCHEMA = 6  # 4: verify curves of batched forwards (continuous batching); 5: costs at a long context;
+# 6: batched forwards over the batch's slot buffers (engine/slot_kv.py)
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
 MAX_TOKENS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
@@ -329,14 +330,17 @@ def measure_verify(target: Any, cache: list, ids: Sequence[int], widths: Sequenc
 def measure_batch_verify(target: Any, cache: list, rows: int, ids: Sequence[int], widths: Sequence[int], passes: int,
                          tick: Callable[[], None] = lambda: None) -> list[float]:
     """``measure_verify`` for a forward over ``rows`` sequences at once, each on a copy of
-    ``cache`` (snapshots: no memory until a row writes)."""
+    ``cache`` (snapshots), their full-attention layers in one buffer per layer as the batch loop
+    keeps them (engine/slot_kv.py)."""
     from engine import caches
+    from engine.slot_kv import Slots
 
     snap = caches.snapshot(cache)
-    row_caches = []
+    row_caches, slots = [], Slots()
     for _ in range(rows):
         c = target.new_cache()
         caches.restore(c, snap)
+        slots.join(c)
         row_caches.append(c)
     batches = [mx.array([list(ids[:w])] * rows, dtype=mx.uint32) for w in widths]
 

@@ -495,6 +495,8 @@ class Engine:
             mode, drafter, note = "baseline", None, f"speculation off: {reason}"
         cap_label: int | str
         if cap_policy is None:
+            if max_draft is None and requested == "auto":  # auto picks how far to draft too, and when not to
+                max_draft = "auto"
             cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
         else:
             cap_label = getattr(cap_policy, "label", "custom")

@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
                    help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto' "
-                        "(calibrated cost curves + live acceptance); default: the mode's calibrated-free default")
+                        "(calibrated cost curves + live acceptance); default: 'auto' under --mode auto, else the mode's "
+                        "calibrated cap")
     add_sampling_arguments(p)
     add_prefix_cache_arguments(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

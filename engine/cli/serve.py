@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so a web page cannot make the server fetch what it names)")
     p.add_argument("--mode", default="auto", choices=MODES, help="decoding mode when a request names none")
     p.add_argument("--max-draft", type=parse_max_draft, default=None,
-                   help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto'")
+                   help="draft cap per round: an integer, 0 for the drafter's full block, or 'auto' "
+                        "(default: 'auto' under --mode auto, else the mode's calibrated cap)")
     add_sampling_arguments(p)
     add_prefix_cache_arguments(p)
     p.add_argument("--max-tokens", type=int, default=1024, dest="default_max_tokens",
