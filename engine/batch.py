@@ -99,6 +99,18 @@ class Emitted:
     done: bool
 
 
+@dataclass
+class _Flight:
+    """A round of plain steps whose forward is queued: the next tokens are lazy, so the next
+    round can be queued on them before they are read (``decode``'s pipelined plain steps)."""
+
+    rows: list[BatchRow]
+    picks: list[mx.array]  # per row, its next token (lazy)
+    processed: list[mx.array]  # per row, the row its token was picked from (logprobs)
+    hidden: mx.array | None  # [rows, 1, taps] for rows whose drafter reads target layers
+    t_issue: float
+
+
 class BatchLoop:
     """Up to ``max_batch`` sequences decoding together on one target (one thread owns it)."""
 
@@ -110,6 +122,7 @@ class BatchLoop:
         self.waiting: list[BatchRow] = []
         self.last_width = 0  # rows in the last tick's round (0: it ran only a prefill chunk)
         self.slots = Slots()  # decoding rows' full-attention keys and values, one buffer per layer
+        self._flight: _Flight | None = None  # a round of plain steps queued before the last one was read
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
@@ -221,11 +234,17 @@ class BatchLoop:
             if not row.slotted:
                 self.slots.join(row.cache)
                 row.slotted = True
+        if self._flight is not None:  # queued last tick: this tick reads it
+            flight, self._flight = self._flight, None
+            return self._land(flight, rows)
         for row in rows:  # the cap policy prices this round at the batch's width
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:
                 told(len(rows))
-        plans = self._drafts(rows, [self._propose(row) for row in rows])
+        caps = [self._propose(row) for row in rows]
+        if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
+            return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
+        plans = self._drafts(rows, caps)
         judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
         width = batch_width(rows, plans, judge)
         plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
@@ -261,6 +280,58 @@ class BatchLoop:
             # priced at the row's own width: the rest of a wider forward is the others' cost
             share = judge.round_ms(k + 1) / judge.round_ms(width) if judge is not None and k + 1 < width else 1.0
             row.cap_policy.observe(k, n, (now - row.t_last) * share)
+            row.t_last = now
+        return out
+
+    def _queue(self, rows: list[BatchRow], anchors: list[mx.array], in_flight: bool) -> _Flight:
+        """Queue one plain step for every row from ``anchors`` (lazy when ``in_flight``: the tokens
+        of the round still in flight, not yet in ``ids``), and the picks of its tokens."""
+        tap = any(r.tap for r in rows)
+        verify = mx.stack(anchors).reshape(len(rows), 1).astype(mx.uint32)
+        if len(rows) == 1:
+            logits, hidden, txn = self.target.verify(verify, rows[0].cache, tap=tap)
+            logits, hidden, txns = logits[None], None if hidden is None else hidden[None], [txn]
+        else:
+            logits, hidden, txns = self.target.verify_rows(verify, [r.cache for r in rows], tap=tap)
+        for txn in txns:  # a plain step keeps its row; recurrent state takes it now, before the next queues
+            txn.commit(1)
+        processed = [row.sampler.process(logits[b, -1], row.stats.ids, anchors[b] if in_flight else None)
+                     for b, row in enumerate(rows)]
+        picks = [row.sampler.pick(p) for row, p in zip(rows, processed)]
+        wanted = [p for row, p in zip(rows, processed) if row.sampler.wants_logprobs]
+        mx.async_eval(*picks, *([hidden] if hidden is not None else []), *wanted)
+        return _Flight(list(rows), picks, processed, hidden, self.clock())
+
+    def _chains(self, flight: _Flight, rows: list[BatchRow]) -> bool:
+        """Whether the next round can be queued before this one's tokens are read: the same rows,
+        each taking a plain step next without asking its cap policy (no drafter, or a run of
+        plain steps still going). Asks each row's next plan when it can (``_propose``)."""
+        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 for r in rows):
+            return False
+        return not any(self._propose(row) for row in rows)
+
+    def _land(self, flight: _Flight, rows: list[BatchRow]) -> list[Emitted]:
+        """Read a queued round's tokens (queuing the next round first where it chains) and emit
+        them. A row that left while its step was in flight is skipped: the token it fed is one
+        it had emitted, so its caches hold its sequence (``stats.cache_len`` says how much)."""
+        if self._chains(flight, rows):
+            self._flight = self._queue(rows, flight.picks, True)
+        fed_next = set(map(id, self._flight.rows)) if self._flight is not None else set()
+        self.last_width = len(flight.rows)
+        out = []
+        for b, row in enumerate(flight.rows):
+            if row.done or row not in rows:
+                continue
+            ids = row.stats.ids
+            ids.append(flight.picks[b].item())
+            row.forwards += 1
+            row.stats.cache_len = len(ids) if id(row) in fed_next else len(ids) - 1
+            if row.drafter is not None:
+                row.drafter.commit(ids, 1, flight.hidden[b, :1] if flight.hidden is not None and row.tap else None)
+            logprobs = row.sampler.logprobs(flight.processed[b], [ids[-1]])
+            out.append(self._emit(row, [ids[-1]], 0, 0, 0, 0.0, self.clock() - flight.t_issue, "", logprobs))
+            now = self.clock()
+            row.cap_policy.observe(0, 0, now - row.t_last)
             row.t_last = now
         return out
 

@@ -404,7 +404,10 @@ class CapController:
         return 1
 
     def _gap(self) -> int:
-        return max(self.state.probe_gap, self.state.budget_gap())
+        """Plain steps between probes. In a batch of B rows a probe widens the forward every row
+        pays for (engine/batch.py never cuts a probe), so it costs about B times what its own
+        round shows: B times rarer (a seeded controller keeps one row's schedule)."""
+        return max(self.state.probe_gap, self.state.budget_gap()) * self.rows
 
     def observe_catch_up(self, seconds: float) -> None:
         self._catch_up_ms += seconds * 1000.0

@@ -116,6 +116,26 @@ def test_a_cut_round_is_learned_at_the_cut_and_a_cut_to_nothing_is_a_plain_step(
     assert parked.cap() > 0 and not parked.trimmable()  # a probe is never cut
 
 
+def test_a_parked_row_probes_batch_width_times_rarer():
+    """A probe widens a forward every row of the batch pays for: a parked controller in a batch of
+    4 waits four times the plain steps it waits alone; a seeded one keeps its own schedule."""
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+
+    def plain_steps_before_probe(policy):
+        policy.state.parked, policy.state.since_probe, policy.state.probe_gap = True, 0, 8
+        steps = 0
+        while policy.cap() == 0:
+            policy.observe(0, 0, 0.01)
+            steps += 1
+        return steps
+
+    alone, seeded, batched4 = CapController(cal, 8), CapController(cal, 8, seeded=True), CapController(cal, 8)
+    for policy in (seeded, batched4):
+        policy.batch_rows(4)
+    assert plain_steps_before_probe(alone) == 8 and plain_steps_before_probe(seeded) == 8
+    assert plain_steps_before_probe(batched4) == 32
+
+
 def test_rows_learn_on_their_own_state_and_hand_it_back():
     from engine.batch import BatchLoop, BatchRow
     from engine.cap_controller import LearnedState
