@@ -142,6 +142,8 @@ class BatchLoop:
         if row.slotted:  # its own caches back, for whoever keeps them (the prefix cache, the stats)
             self.slots.leave(row.cache)
             row.slotted = False
+        if not self.rows:  # a step queued for rows that all left: nobody reads it
+            self._flight = None
         _tell(row.cap_policy, "rejoin")
         self._admit()
 
@@ -234,9 +236,10 @@ class BatchLoop:
             if not row.slotted:
                 self.slots.join(row.cache)
                 row.slotted = True
-        if self._flight is not None:  # queued last tick: this tick reads it
+        if self._flight is not None:  # queued last tick: this tick reads it (unless all its rows left)
             flight, self._flight = self._flight, None
-            return self._land(flight, rows)
+            if any(r in rows for r in flight.rows):
+                return self._land(flight, rows)
         for row in rows:  # the cap policy prices this round at the batch's width
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:

@@ -466,13 +466,14 @@ def test_server_both_dialects_streaming_and_not_batched_equal_alone(batch_server
     assert alone_texts[0] == alone_texts[1] and alone_texts[2] == alone_texts[3]  # streamed == not streamed
 
 
-def test_penalties_bias_and_logprobs_per_row():
+@pytest.mark.parametrize("mode", ["lookup", "baseline"])  # baseline: pipelined plain rounds (a token in flight)
+def test_penalties_bias_and_logprobs_per_row(mode):
     """Rows with their own penalties, logit_bias and logprobs share forwards: each row's tokens and
     logprobs are its request's alone."""
     eng = make_engine("llama", seed=6)
     settings = [dict(presence_penalty=0.8, logprobs=3), dict(repetition_penalty=1.3, logit_bias={7: -100.0}),
                 dict(frequency_penalty=0.5, logprobs=0, temperature=0.8, seed=3), {}]
-    requests = [dict(prompt=p, mode="lookup", max_new_tokens=n, max_draft=4, **kw)
+    requests = [dict(prompt=p, mode=mode, max_new_tokens=n, max_draft=4 if mode != "baseline" else None, **kw)
                 for p, n, kw in zip(PROMPTS, BUDGETS, settings)]
     want = [alone(eng, r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in requests]
     tickets, widths = run_batch(eng, [dict(r) for r in requests], max_batch=4)
@@ -485,6 +486,23 @@ def test_penalties_bias_and_logprobs_per_row():
             assert [i for i, _ in a.top] == [i for i, _ in b.top]
     assert 7 not in tickets[1].result.token_ids
     assert len(tickets[0].result.logprobs) == len(tickets[0].result.token_ids)
+
+
+def test_plain_rounds_are_queued_before_the_last_is_read():
+    """Rows taking plain steps run pipelined (the next round queued on the lazy tokens of the one in
+    flight), rows leave with a step in flight, and every answer and cache is the lone one's."""
+    eng = make_engine("llama")
+    batcher = Batcher(eng, 3)
+    tickets = [batcher.submit(p, prefix_cache=False, mode="baseline", max_new_tokens=n) for p, n in zip(PROMPTS, BUDGETS)]
+    queued = 0
+    while batcher.busy:
+        batcher.step()
+        queued += batcher.loop._flight is not None
+    assert queued >= 20 and batcher.loop._flight is None
+    assert any(t.row.stats.cache_len == len(t.row.stats.ids) for t in tickets)  # one left with its last step fed
+    for p, n, t in zip(PROMPTS, BUDGETS, tickets):
+        assert t.result.token_ids == alone(eng, p, mode="baseline", max_new_tokens=n).token_ids
+        assert_caches_clean(eng, t)
 
 
 def test_suffix_drafts_from_earlier_requests_under_batching():
