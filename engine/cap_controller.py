@@ -297,6 +297,8 @@ class CapController:
         if rows != self.rows and not self.seeded:
             self.rows = rows
             self._price()
+            if self.state.rounds >= self.park_after:  # what it learned of the content, at this width's costs
+                self._repick()
 
     def context(self, tokens: int) -> None:
         """The sequence (prompt and output) is ``tokens`` long now: price rounds and plain steps

@@ -116,6 +116,22 @@ def test_a_cut_round_is_learned_at_the_cut_and_a_cut_to_nothing_is_a_plain_step(
     assert parked.cap() > 0 and not parked.trimmable()  # a probe is never cut
 
 
+def test_a_speculating_row_parks_the_round_it_joins_a_batch_where_plain_steps_win():
+    """What a controller learned of the content (acceptance) is judged at the new width's costs as
+    soon as the width changes, not after its next few rounds."""
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    policy = CapController(cal, 8)
+    policy.state.p, policy.state.rounds = 0.7, policy.park_after
+    policy._repick()
+    assert not policy.state.parked and policy.state.cap > 0
+    policy.batch_rows(8)
+    assert policy.state.parked
+    seeded = CapController(cal, 8, seeded=True)
+    seeded.state.p, seeded.state.rounds, seeded.state.cap = 0.7, seeded.park_after, 3
+    seeded.batch_rows(8)
+    assert not seeded.state.parked  # a seeded request's caps do not follow the batch
+
+
 def test_a_parked_row_probes_batch_width_times_rarer():
     """A probe widens a forward every row of the batch pays for: a parked controller in a batch of
     4 waits four times the plain steps it waits alone; a seeded one keeps its own schedule."""
