@@ -49,7 +49,7 @@ from engine.target import Target, prefill_bounds
 CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
 
 
-@dataclass
+@dataclass(eq=False)  # a row is itself: membership tests compare identities
 class BatchRow:
     """One sequence of a batch: its plan (sampler, drafter, cap policy) and its state."""
 
@@ -77,6 +77,7 @@ class BatchRow:
     forwards: int = 0
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
+    planned: int | None = None  # its next round's cap, asked early (while a plain step was in flight)
     t_start: float = 0.0
     t_last: float = 0.0
 
@@ -307,11 +308,20 @@ class BatchLoop:
 
     def _chains(self, flight: _Flight, rows: list[BatchRow]) -> bool:
         """Whether the next round can be queued before this one's tokens are read: the same rows,
-        each taking a plain step next without asking its cap policy (no drafter, or a run of
-        plain steps still going). Asks each row's next plan when it can (``_propose``)."""
-        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 for r in rows):
+        each taking a plain step next. Each row's next plan is asked now (``_propose``), its
+        token in flight not yet in ``ids``, as ``decode`` asks whether a run goes on; a row whose
+        run ends asks its cap policy now too, unless it is seeded (its caps, and so its sample,
+        follow ``decode``'s order: asked after the last token is read). A row that will draft
+        keeps the plans asked (``planned``) and the round is not queued."""
+        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 and r.sampler.params.seed is not None
+                                      for r in rows):
             return False
-        return not any(self._propose(row) for row in rows)
+        caps = [self._propose(row) for row in rows]
+        if any(caps):
+            for row, cap in zip(rows, caps):
+                row.planned = cap
+            return False
+        return True
 
     def _land(self, flight: _Flight, rows: list[BatchRow]) -> list[Emitted]:
         """Read a queued round's tokens (queuing the next round first where it chains) and emit
@@ -345,6 +355,9 @@ class BatchLoop:
         ``plain_run``, plain steps until the drafter has a draft), so a seeded row draws the
         same random numbers as alone: whether a run goes on is asked before each step's token is
         known, as ``decode`` asks it before queuing the next pipelined forward."""
+        if row.planned is not None:  # asked already, while the step before was in flight
+            cap, row.planned = row.planned, None
+            return cap
         drafter, policy = row.drafter, row.cap_policy
         if drafter is None:
             return 0
