@@ -30,9 +30,11 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache
 
 from engine.caches import CacheError, Verify, leaves
+from engine.shapes import StableKVCache
 from engine.slot_kv import SlotKV
 
-BATCHABLE = (KVCache, RotatingKVCache, ArraysCache, SlotKV)
+# StableKVCache (a shape policy's full attention) batches through the slot buffers only (engine/slot_kv.py)
+BATCHABLE = (KVCache, StableKVCache, RotatingKVCache, ArraysCache, SlotKV)
 
 
 def batchable(cache: list) -> str | None:

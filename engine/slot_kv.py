@@ -17,6 +17,10 @@ rows), so what outlives the batch (a prefix-cache entry, the caller's stats) nev
 
 Columns past a row's length are masked, so a row's scores and weighted values are the sums a
 lone forward over its own keys computes, plus terms of exactly zero.
+
+Under a shape policy (CUDA: ``StableKVCache``, engine/shapes.py) the layer keeps the policy's
+step and, for forwards of several rows per sequence, attends over the whole buffer with an
+additive mask, as ``StableKVCache`` does: shapes change once per step of columns, not every round.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache
+
+from engine.shapes import StableKVCache, additive, capacity, capacity_mask
 
 STEP = 256  # columns a buffer grows by, as mlx-lm's KVCache does
 
@@ -51,11 +57,19 @@ class SlotKV(_BaseCache):
         return self.layer.values[b : b + 1, :, : self.offset]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """A forward of this row alone: append, then return its rows (as ``KVCache`` does)."""
+        """A forward of this row alone: append, then return its rows (as ``KVCache`` does; its
+        whole slot under a shape policy, for several rows)."""
         self.layer.write([self], keys, values)
+        if self.layer.stable and keys.shape[2] > 1:
+            b = self.index
+            return self.layer.keys[b : b + 1], self.layer.values[b : b + 1]
         return self.keys, self.values
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        layer = self.layer
+        if layer.stable and n > 1:
+            mask = capacity_mask(self.offset, n, layer.columns(self.offset + n, n), window_size)
+            return additive(mask, layer.keys.dtype)
         return KVCache.make_mask(self, n, window_size=window_size, return_array=return_array)
 
     def is_trimmable(self) -> bool:
@@ -82,7 +96,8 @@ class SlotLayer(_BaseCache):
     """One full-attention layer's keys and values of every row in the batch; in a batched forward
     it is the cache the model sees for this layer."""
 
-    def __init__(self):
+    def __init__(self, step: int = STEP, stable: bool = False):
+        self.step, self.stable = step, stable  # stable: a shape policy's (engine/shapes.py)
         self.keys: mx.array | None = None  # [rows, heads, capacity, dim]
         self.values: mx.array | None = None
         self.slots: list[SlotKV] = []
@@ -97,12 +112,12 @@ class SlotLayer(_BaseCache):
         if self.keys is None:
             if keys is None:
                 raise ValueError("a row joins a batch's slots after its prefill: its cache holds no keys yet")
-            self.keys, self.values = _room(keys, _capacity(n)), _room(values, _capacity(n))
+            self.keys, self.values = _room(keys, self._capacity(n)), _room(values, self._capacity(n))
         else:
-            capacity = max(self.keys.shape[2], _capacity(n))
-            self.keys, self.values = _room(self.keys, capacity), _room(self.values, capacity)
+            size = max(self.keys.shape[2], self._capacity(n))
+            self.keys, self.values = _room(self.keys, size), _room(self.values, size)
             if n:
-                keys, values = _room(keys, capacity), _room(values, capacity)
+                keys, values = _room(keys, size), _room(values, size)
             else:
                 keys = mx.zeros((1, *self.keys.shape[1:]), dtype=self.keys.dtype)
                 values = mx.zeros((1, *self.values.shape[1:]), dtype=self.values.dtype)
@@ -112,13 +127,11 @@ class SlotLayer(_BaseCache):
         return slot
 
     def leave(self, slot: SlotKV) -> KVCache:
-        """Take one row out: its rows as a plain ``KVCache`` (a copy), the others close up."""
+        """Take one row out: its rows as the cache it joined with (a copy), the others close up."""
         b, n = slot.index, slot.offset
-        out = KVCache()
+        out = StableKVCache(self.step) if self.stable else KVCache()
         if n:
-            out.keys = mx.contiguous(self.keys[b : b + 1, :, :n])
-            out.values = mx.contiguous(self.values[b : b + 1, :, :n])
-            out.offset = n
+            out.state = (mx.contiguous(self.keys[b : b + 1, :, :n]), mx.contiguous(self.values[b : b + 1, :, :n]), n)
         self.slots.pop(b)
         if not self.slots:
             self.keys = self.values = None
@@ -134,20 +147,28 @@ class SlotLayer(_BaseCache):
     def offset(self) -> mx.array:
         return mx.array([s.offset for s in self.slots], dtype=mx.int32)
 
+    def columns(self, end: int, n: int) -> int:
+        """Key columns a forward of ``n`` rows per sequence attends over, its longest row ending
+        at ``end``: up to there, or under a shape policy (several rows) the whole buffer."""
+        if self.stable and n > 1:  # the buffer as ``write`` leaves it
+            return self.keys.shape[2] if end <= self.keys.shape[2] else self._capacity(end)
+        return end
+
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
         """[rows, 1, n, keys]: row b's query i sees its own keys up to its own position."""
         offsets = [s.offset for s in self.slots]
-        columns = mx.arange(max(offsets) + n)
+        columns = mx.arange(self.columns(max(offsets) + n, n))
         position = mx.array(offsets)[:, None] + mx.arange(n)[None]  # [rows, n]
         seen = columns[None, None] <= position[..., None]
         if window_size is not None:
             seen = seen & (columns[None, None] > position[..., None] - window_size)
-        return seen[:, None]
+        return additive(seen[:, None], self.keys.dtype) if self.stable else seen[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if keys.shape[0] != len(self.slots):
             raise ValueError(f"a forward of {keys.shape[0]} rows over {len(self.slots)} slots")
-        end = self.write(self.slots, keys, values)
+        n = keys.shape[2]
+        end = self.columns(self.write(self.slots, keys, values), n)
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def write(self, slots: list[SlotKV], keys: mx.array, values: mx.array) -> int:
@@ -156,8 +177,8 @@ class SlotLayer(_BaseCache):
         n = keys.shape[2]
         end = max(s.offset for s in slots) + n
         if end > self.keys.shape[2]:
-            capacity = _capacity(end)
-            self.keys, self.values = _room(self.keys, capacity), _room(self.values, capacity)
+            size = self._capacity(end)
+            self.keys, self.values = _room(self.keys, size), _room(self.values, size)
         if len(slots) == 1:
             b, at = slots[0].index, slots[0].offset
             self.keys[b : b + 1, :, at : at + n] = keys
@@ -186,9 +207,8 @@ class SlotLayer(_BaseCache):
     def state(self) -> Any:
         raise TypeError("a batch's slot layer has no state of its own: its rows' slots do")
 
-
-def _capacity(n: int) -> int:
-    return (n // STEP + 1) * STEP
+    def _capacity(self, n: int) -> int:
+        return capacity(n + 1, self.step)
 
 
 def _room(x: mx.array, capacity: int) -> mx.array:
@@ -209,9 +229,11 @@ class Slots:
     def join(self, cache: list) -> None:
         """Move a row's full-attention caches into the batch's slots, in place in ``cache``."""
         def move(i: int, c: Any) -> Any:
-            if type(c) is not KVCache:
-                return c
-            return self.layers.setdefault(i, SlotLayer()).join(c)
+            if type(c) is KVCache:
+                return self.layers.setdefault(i, SlotLayer()).join(c)
+            if type(c) is StableKVCache:
+                return self.layers.setdefault(i, SlotLayer(c.step, stable=True)).join(c)
+            return c
 
         _replace_leaves(cache, move)
 

@@ -148,3 +148,60 @@ def test_batch_loop_decodes_on_slots_and_hands_rows_plain_caches_back(monkeypatc
         assert_same_greedy(eng.model, p, want.token_ids, t.result.token_ids, "lookup on slots")
         assert all(type(c) is KVCache for c in t.row.cache)
         assert_caches_clean(eng, t)
+
+
+def test_rows_under_a_shape_policy_batch_on_whole_buffers():
+    """CUDA's stable shapes (engine/shapes.py): rows whose full-attention layers are
+    ``StableKVCache`` batch too (they decoded one at a time before), their slot layers attend over
+    the whole buffer for several rows per sequence (shapes change once per step of columns), every
+    answer is the lone one and each row leaves with a ``StableKVCache`` again."""
+    from engine.shapes import ShapePolicy, StableKVCache
+
+    eng = make_engine("llama")
+    eng.target.set_shapes(ShapePolicy(step=16))
+    assert eng.target.shapes is not None and eng.target.batch_blocker() is None
+    t = eng.target
+    row_caches = [prefilled(t, p) for p in PROMPTS[:3]]
+    assert all(type(c) is StableKVCache for c in row_caches[0])
+    lone = [prefilled(t, p) for p in PROMPTS[:3]]
+    slots = Slots()
+    for c in row_caches:
+        slots.join(c)
+    layer = slots.layers[0]
+    assert layer.stable and layer.step == 16
+    fetched = []
+    fetch = layer.update_and_fetch
+
+    def spy(keys, values):
+        out = fetch(keys, values)
+        fetched.append(out[0].shape[2])
+        return out
+
+    layer.update_and_fetch = spy
+    for step, width in enumerate((3, 1, 4, 2) * 4):
+        ids = mx.array([[(5 * r + 2 * j + step) % 90 + 2 for j in range(width)] for r in range(3)], dtype=mx.uint32)
+        logits, _, txns = t.verify_rows(ids, row_caches)
+        for r in range(3):
+            ref, _, ref_txn = t.verify(ids[r : r + 1], lone[r])
+            assert mx.abs(logits[r] - ref).max().item() < 1e-5
+            kept = 1 + (step + r) % width
+            txns[r].commit(kept)
+            ref_txn.commit(kept)
+        assert layer.keys.shape[2] % 16 == 0
+        if width > 1:  # the whole buffer; a plain step reads up to the longest row, as StableKVCache does
+            assert fetched[-1] == layer.keys.shape[2]
+        else:
+            assert fetched[-1] == max(s.offset for s in layer.slots)
+    for c in row_caches:
+        slots.leave(c)
+        assert all(type(x) is StableKVCache for x in c)
+    answers = Batcher(eng, 3)
+    tickets = [answers.submit(p, prefix_cache=False, mode="lookup", max_new_tokens=n, max_draft=3)
+               for p, n in zip(PROMPTS, (24, 9, 30, 16))]
+    answers.run()
+    for p, n, tk in zip(PROMPTS, (24, 9, 30, 16), tickets):
+        assert tk.result.batch_width == 3 or n == 9
+        want = alone(eng, p, mode="lookup", max_new_tokens=n, max_draft=3)
+        assert_same_greedy(eng.model, p, want.token_ids, tk.result.token_ids, "stable shapes on slots")
+        assert all(type(x) is StableKVCache for x in tk.row.cache)
+        assert_caches_clean(eng, tk)
