@@ -758,9 +758,10 @@ def test_device_cut_and_replayed_cut_agree_at_every_boundary(rule):
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
-def test_rows_propose_together_what_each_proposes_alone(tmp_path, head):
-    """A batch's DSpark rows share one head forward (``propose_rows``): each row's drafts, its
-    q and its confidence cut are those ``propose`` gives it alone, greedy and sampling."""
+def test_rows_propose_together_what_each_proposes_alone(tmp_path, head, monkeypatch):
+    """A batch's DSpark rows share one block forward and one head forward (``propose_rows``):
+    each row's drafts, its q and its confidence cut are those ``propose`` gives it alone, greedy
+    and sampling."""
     from engine.drafters.dspark import DSparkDrafter
 
     engine = make_tiny_engine("qwen3", seed=3)
@@ -776,6 +777,9 @@ def test_rows_propose_together_what_each_proposes_alone(tmp_path, head):
         d.begin(ids[:-1], hidden)
         rows.append((d, ids))
     caps = [base.max_draft, 3, 5]
+    block_rows, batched = type(base.model).block_rows, []
+    monkeypatch.setattr(type(base.model), "block_rows",
+                        lambda model, x, caches: batched.append(x.shape[0]) or block_rows(model, x, caches))
     cut = 0
     for threshold in (0.0, 0.3, 0.45, 0.5, 0.55, 0.7):  # no cut, then confidence cuts per row
         base._threshold = lambda t=threshold: t
@@ -787,6 +791,7 @@ def test_rows_propose_together_what_each_proposes_alone(tmp_path, head):
             [None if t is None else t.tokens.tolist() for t in together]
         cut += sum(g is None or len(g) < cap for g, cap in zip(greedy, caps))
     assert cut > 0  # some cut cut something
+    assert batched and set(batched) == {3}  # one block forward over the three rows each time
     base._threshold = lambda: 0.0
     for d, _ in rows:
         d._threshold = base._threshold

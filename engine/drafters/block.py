@@ -375,7 +375,9 @@ class Attention(nn.Module):
         k, v = self._kv(ctx, kv.offset)
         kv.append(k, v)
 
-    def __call__(self, x: mx.array, kv: ContextKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ContextKV | list[ContextKV]) -> mx.array:
+        if isinstance(kv, list):
+            return self._rows(x, kv)
         n = x.shape[1]
         p = kv.offset  # the anchor's absolute position
         q = self.q_norm(self.q_proj(x).reshape(1, n, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
@@ -386,6 +388,22 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
 
 
+    def _rows(self, x: mx.array, kvs: list[ContextKV]) -> mx.array:
+        """The blocks of B sequences [B, n, H], each over its own context: the projections run
+        once over every row, attention per row (its own context length and position)."""
+        rows, n = x.shape[0], x.shape[1]
+        q = self.q_norm(self.q_proj(x).reshape(rows, n, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(rows, n, self.n_kv, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(rows, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        out = []
+        for b, kv in enumerate(kvs):
+            p = kv.offset
+            keys, values = kv.with_block(self.rope(k[b : b + 1], offset=p), v[b : b + 1])
+            out.append(mx.fast.scaled_dot_product_attention(self.rope(q[b : b + 1], offset=p), keys, values,
+                                                             scale=self.scale, mask=self.mask(p, n, keys.shape[2])))
+        return self.o_proj(mx.concatenate(out, axis=0).transpose(0, 2, 1, 3).reshape(rows, n, -1))
+
+
 class DecoderLayer(nn.Module):  # MLP: mlx-lm's SwiGLU, gate/up/down_proj as checkpoints name them
     def __init__(self, cfg: BlockConfig, index: int):
         super().__init__()
@@ -394,7 +412,7 @@ class DecoderLayer(nn.Module):  # MLP: mlx-lm's SwiGLU, gate/up/down_proj as che
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x: mx.array, kv: ContextKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ContextKV | list[ContextKV]) -> mx.array:
         x = x + self.self_attn(self.input_layernorm(x), kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -425,6 +443,12 @@ class BlockBackbone(nn.Module):
         """x [1, B, H] block embeddings -> final-normed block states [1, B, H]."""
         for layer, kv in zip(self.layers, caches):
             x = layer(x, kv)
+        return self.norm(x)
+
+    def block_rows(self, x: mx.array, row_caches: Sequence[list[ContextKV]]) -> mx.array:
+        """``block`` for R sequences at once: x [R, B, H], each row over its own context caches."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, [caches[i] for caches in row_caches])
         return self.norm(x)
 
 
@@ -602,10 +626,22 @@ class BlockDrafter(Drafter):
 
     def block_states(self, ids: Sequence[int]) -> mx.array:
         """Final-normed states [B, H] of the block [anchor, MASK...] at the anchor's position."""
+        return self.model.block(self._block_input(ids)[None], self._caches)[0]
+
+    @staticmethod
+    def block_states_rows(requests: Sequence[tuple["BlockDrafter", Sequence[int]]]) -> mx.array:
+        """``block_states`` of several drafters sharing one model (a batch's rows) in one block
+        forward: [R, B, H]. Each row attends to its own context; its states may differ from its
+        lone forward's in the last bits (the projections sum over R rows' products)."""
+        x = mx.stack([d._block_input(ids) for d, ids in requests])
+        return requests[0][0].model.block_rows(x, [d._caches for d, _ in requests])
+
+    def _block_input(self, ids: Sequence[int]) -> mx.array:
+        """The block's embeddings [B, H], the context brought up to the anchor first."""
         anchor_pos = len(ids) - 1
         if anchor_pos != self.context_len:
             raise RuntimeError(f"{self.name} drafter out of step: {self.context_len} context rows for an anchor at {anchor_pos}")
         self._flush()
         self._drafting = True
         block = mx.array([int(ids[-1])] + [self.cfg.mask_token_id] * (self.block_size - 1), dtype=mx.uint32)
-        return self.model.block(self.embed(block)[None].astype(self.dtype), self._caches)[0]
+        return self.embed(block).astype(self.dtype)

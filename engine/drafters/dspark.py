@@ -216,15 +216,15 @@ class DSparkDrafter(BlockDrafter):
     @staticmethod
     def propose_rows(requests: Sequence[tuple["DSparkDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
         """``propose`` for several sequences whose drafters share one model (rows of a batch,
-        engine/batch.py): each runs its own block over its own context, then the head, the
-        Markov chain and the confidence cut run once over every row. Each row's draft is one
+        engine/batch.py): one block forward serves every row (each over its own context), then
+        the head, the Markov chain and the confidence cut run once over every row. Each row's draft is one
         that ``propose`` could give it alone (the head's sums may differ in the last bits)."""
         if len(requests) == 1 or any(d.trace is not None for d, _, _, _ in requests):
             return [d.propose(ids, cap, s) for d, ids, cap, s in requests]
         first = requests[0][0]
         caps = [min(int(cap), d.max_draft) for d, _, cap, _ in requests]
         width = max(caps)
-        h = mx.stack([d.block_states(ids)[:width] for d, ids, _, _ in requests])
+        h = first.block_states_rows([(d, ids) for d, ids, _, _ in requests])[:, :width]
         tokens, qs, prevs = chain_rows(first.model, h, [int(ids[-1]) for _, ids, _, _ in requests],
                                        [s for _, _, _, s in requests], first.vocab_ids)
         cuts = [d.cut() for d, _, _, _ in requests]
