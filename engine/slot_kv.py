@@ -12,8 +12,8 @@ buffer up to the longest row, each row masked to its own keys: no copy of old ke
 Each row's view of its slot, ``SlotKV``, is an ordinary trimmable cache to the rest of the engine:
 a verify's transaction rolls it back by its own accepted length by lowering its length (the rows
 past it are garbage that the mask never shows), and a row running alone appends to its slot like
-any ``KVCache``. When the row leaves, its slot becomes a plain ``KVCache`` again (a copy of its
-rows), so what outlives the batch (a prefix-cache entry, the caller's stats) never sees a slot.
+any ``KVCache``. When the row leaves, its slot becomes the cache it joined as again (a copy of
+its rows), so what outlives the batch (a prefix-cache entry, the caller's stats) never sees a slot.
 
 Columns past a row's length are masked, so a row's scores and weighted values are the sums a
 lone forward over its own keys computes, plus terms of exactly zero.
@@ -84,8 +84,8 @@ class SlotKV(_BaseCache):
         return self.offset == 0
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        return self.keys, self.values
+    def state(self) -> tuple[mx.array, mx.array, int]:
+        return self.keys, self.values, self.offset  # as KVCache's
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -221,7 +221,8 @@ def _room(x: mx.array, capacity: int) -> mx.array:
 
 
 class Slots:
-    """The slot layers of one batch: per cache leaf (layer) that is a plain ``KVCache``."""
+    """The slot layers of one batch: one per cache leaf (layer) of full attention (``KVCache``, or
+    ``StableKVCache`` under a shape policy)."""
 
     def __init__(self):
         self.layers: dict[int, SlotLayer] = {}
@@ -238,7 +239,7 @@ class Slots:
         _replace_leaves(cache, move)
 
     def leave(self, cache: list) -> None:
-        """Give a row its own ``KVCache`` layers back, in place in ``cache``."""
+        """Give a row its own full-attention caches back, in place in ``cache``."""
         def back(i: int, c: Any) -> Any:
             if type(c) is not SlotKV:
                 return c
