@@ -312,10 +312,13 @@ class BatchLoop:
         token in flight not yet in ``ids``, as ``decode`` asks whether a run goes on; a row whose
         run ends asks its cap policy now too, unless it is seeded (its caps, and so its sample,
         follow ``decode``'s order: asked after the last token is read). A row that will draft
-        keeps the plans asked (``planned``) and the round is not queued."""
+        keeps the plans asked (``planned``) and the round is not queued. Nor is it while a
+        request prefills or waits for a free row: its first token waits for one round at most."""
         if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 and r.sampler.params.seed is not None
                                       for r in rows):
             return False
+        if any(not r.decoding for r in self.rows) or (self.waiting and len(self.rows) < self.max_batch):
+            return False  # a request is about to prefill: its chunk waits for the step in flight only
         caps = [self._propose(row) for row in rows]
         if any(caps):
             for row, cap in zip(rows, caps):
