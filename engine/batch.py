@@ -256,13 +256,8 @@ class BatchLoop:
             width = self.target.verify_width(width)
         verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
                            for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
-        tap = any(r.tap for r in rows)
         t_verify = self.clock()
-        if len(rows) == 1:  # a lone row runs the one-sequence verify (any cache kind, recurrent too)
-            logits, hidden, txn = self.target.verify(verify, rows[0].cache, tap=tap)
-            logits, hidden, txns = logits[None], None if hidden is None else hidden[None], [txn]
-        else:
-            logits, hidden, txns = self.target.verify_rows(verify, [r.cache for r in rows], tap=tap)
+        logits, hidden, txns = self._verify(rows, verify)
         self.last_width = len(rows)
         out = []
         for b, (row, (cap, drafts, draft), txn) in enumerate(zip(rows, plans, txns)):
@@ -287,16 +282,19 @@ class BatchLoop:
             row.t_last = now
         return out
 
+    def _verify(self, rows: list[BatchRow], ids: mx.array) -> tuple[mx.array, mx.array | None, list]:
+        """One forward of ``ids`` [rows, width] over the rows' caches, tapped where a row's drafter
+        reads target layers: (logits, hidden, one transaction per row), rows first."""
+        tap = any(r.tap for r in rows)
+        if len(rows) == 1:  # a lone row runs the one-sequence verify (any cache kind, recurrent too)
+            logits, hidden, txn = self.target.verify(ids, rows[0].cache, tap=tap)
+            return logits[None], None if hidden is None else hidden[None], [txn]
+        return self.target.verify_rows(ids, [r.cache for r in rows], tap=tap)
+
     def _queue(self, rows: list[BatchRow], anchors: list[mx.array], in_flight: bool) -> _Flight:
         """Queue one plain step for every row from ``anchors`` (lazy when ``in_flight``: the tokens
         of the round still in flight, not yet in ``ids``), and the picks of its tokens."""
-        tap = any(r.tap for r in rows)
-        verify = mx.stack(anchors).reshape(len(rows), 1).astype(mx.uint32)
-        if len(rows) == 1:
-            logits, hidden, txn = self.target.verify(verify, rows[0].cache, tap=tap)
-            logits, hidden, txns = logits[None], None if hidden is None else hidden[None], [txn]
-        else:
-            logits, hidden, txns = self.target.verify_rows(verify, [r.cache for r in rows], tap=tap)
+        logits, hidden, txns = self._verify(rows, mx.stack(anchors).reshape(len(rows), 1).astype(mx.uint32))
         for txn in txns:  # a plain step keeps its row; recurrent state takes it now, before the next queues
             txn.commit(1)
         processed = [row.sampler.process(logits[b, -1], row.stats.ids, anchors[b] if in_flight else None)
@@ -332,7 +330,7 @@ class BatchLoop:
         it had emitted, so its caches hold its sequence (``stats.cache_len`` says how much)."""
         if self._chains(flight, rows):
             self._flight = self._queue(rows, flight.picks, True)
-        fed_next = set(map(id, self._flight.rows)) if self._flight is not None else set()
+        fed_next = self._flight.rows if self._flight is not None else []
         self.last_width = len(flight.rows)
         out = []
         for b, row in enumerate(flight.rows):
@@ -341,7 +339,7 @@ class BatchLoop:
             ids = row.stats.ids
             ids.append(flight.picks[b].item())
             row.forwards += 1
-            row.stats.cache_len = len(ids) if id(row) in fed_next else len(ids) - 1
+            row.stats.cache_len = len(ids) if row in fed_next else len(ids) - 1
             if row.drafter is not None:
                 row.drafter.commit(ids, 1, flight.hidden[b, :1] if flight.hidden is not None and row.tap else None)
             logprobs = row.sampler.logprobs(flight.processed[b], [ids[-1]])
