@@ -376,32 +376,22 @@ class Attention(nn.Module):
         kv.append(k, v)
 
     def __call__(self, x: mx.array, kv: ContextKV | list[ContextKV]) -> mx.array:
-        if isinstance(kv, list):
-            return self._rows(x, kv)
-        n = x.shape[1]
-        p = kv.offset  # the anchor's absolute position
-        q = self.q_norm(self.q_proj(x).reshape(1, n, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=p)
-        k, v = self._kv(x, p)
-        keys, values = kv.with_block(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=self.mask(p, n, keys.shape[2]))
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, n, -1))
-
-
-    def _rows(self, x: mx.array, kvs: list[ContextKV]) -> mx.array:
-        """The blocks of B sequences [B, n, H], each over its own context: the projections run
-        once over every row, attention per row (its own context length and position)."""
+        """The block of one sequence [1, n, H] over its context ``kv``, or the blocks of B
+        sequences [B, n, H] over theirs (``kv`` a list): the projections run once over every row,
+        attention per row (its own context length and anchor position)."""
+        kvs = kv if isinstance(kv, list) else [kv]
         rows, n = x.shape[0], x.shape[1]
         q = self.q_norm(self.q_proj(x).reshape(rows, n, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(rows, n, self.n_kv, self.head_dim)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(rows, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
         out = []
         for b, kv in enumerate(kvs):
-            p = kv.offset
+            p = kv.offset  # the anchor's absolute position
             keys, values = kv.with_block(self.rope(k[b : b + 1], offset=p), v[b : b + 1])
             out.append(mx.fast.scaled_dot_product_attention(self.rope(q[b : b + 1], offset=p), keys, values,
                                                              scale=self.scale, mask=self.mask(p, n, keys.shape[2])))
-        return self.o_proj(mx.concatenate(out, axis=0).transpose(0, 2, 1, 3).reshape(rows, n, -1))
+        out = out[0] if rows == 1 else mx.concatenate(out, axis=0)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(rows, n, -1))
 
 
 class DecoderLayer(nn.Module):  # MLP: mlx-lm's SwiGLU, gate/up/down_proj as checkpoints name them
