@@ -252,17 +252,6 @@ class Slots:
         _replace_leaves(cache, back)
 
 
-def slotted(cache: list) -> bool:
-    return any(type(c) is SlotKV for c in _leaves(cache))
-
-
-def _leaves(cache: list) -> list:
-    out = []
-    for c in cache:
-        out.extend(_leaves(c.caches) if type(c) is CacheList else [c])
-    return out
-
-
 def _replace_leaves(cache: list, fn: Callable[[int, Any], Any]) -> None:
     """Replace each leaf (``CacheList`` members opened up) by ``fn(leaf index, leaf)``, in place."""
     counter = iter(range(1 << 30))
