@@ -75,8 +75,9 @@ def chain_rows(model: DSparkModel, h: mx.array, anchors: Sequence[int], samplers
                vocab: mx.array | None = None) -> tuple[mx.array, list[mx.array | None], mx.array]:
     """``chain_tokens`` for B sequences at once: block states h [B, k, H] -> tokens [B, k], each
     row's q [k, V] (None when greedy) and previous tokens [B, k]. The head reads its weights once
-    for every row, the Markov head once per slot; each row samples with its own sampler, in the
-    order ``chain_tokens`` draws its keys. All lazy."""
+    for every row, the Markov head once per slot; each row samples with its own sampler, a key per
+    slot (as ``chain_tokens`` does with a Markov head; without one it draws a single key for every
+    slot). All lazy."""
     base = model.logits(h)
     to_token = (lambda i: i) if vocab is None else (lambda i: vocab[i])
     rows, slots = h.shape[0], h.shape[1]
