@@ -244,14 +244,16 @@ def pair_part(args, dtype: str, deadline: float, save) -> dict:
 def concurrent_part(args, dtype: str, deadline: float) -> dict:
     """``tandem benchmark --concurrent N`` (issue 42's table): the starter with its drafter
     (``--gguf``; arms lookup, dspark) or the pair's target with its draft model (``--target`` and
-    ``--draft``; arms lookup, draft), each at ``--caps``, batched against one after another."""
+    ``--draft``; arms lookup, draft; without ``--draft`` lookup only), each at ``--caps``,
+    batched against one after another."""
     from engine.api import load
     from engine.concurrent_bench import format_concurrent, run_concurrent
     from engine.prompts import load_prompts
 
     prompts = load_prompts(["chat", "code", "math"], max(args.prompts_per_class, args.concurrent))
-    if args.target:
-        eng, modes = load(args.target, dtype=dtype, draft_model=args.draft), ["lookup", "draft"]
+    if args.target:  # without --draft the target alone (PARTS=coder stages only it): lookup's arm
+        modes = ["lookup", "draft"] if args.draft else ["lookup"]
+        eng = load(args.target, dtype=dtype, draft_model=args.draft)
     else:
         eng, modes = load(args.gguf, dtype=dtype), ["lookup", "dspark"]
     if args.tiny:
@@ -412,7 +414,8 @@ def main() -> int:
                   lambda dtype, share, saver: pair_part(args, dtype, share, lambda o: saver.put("pair", o)))
     elif args.part == "concurrent":
         name = "concurrent-pair" if args.target else "concurrent-starter"
-        missing = [f for f in ((args.target, args.draft) if args.target else (args.gguf,)) if not f or not Path(f).is_file()]
+        missing = [f for f in ((args.target, args.draft or args.target) if args.target else (args.gguf,))
+                   if not f or not Path(f).is_file()]
         if missing:
             log(f"no GGUF at {missing[0]!r}")
             return 2

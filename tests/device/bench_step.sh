@@ -14,6 +14,8 @@
 #   pair      tests/device/bench_device.py pair (Qwen2.5-Coder-1.5B target + 0.5B draft model;
 #             BUDGET_PAIR seconds, PAIR_ARGS e.g. "--dtypes bfloat16,float16 --trials 3";
 #             PAIR_BENCH=0 only keeps, PAIR_BENCH=concurrent runs the concurrent part on the pair)
+#   coder     tests/device/bench_device.py concurrent on Qwen2.5-Coder-1.5B alone (no draft model:
+#             baseline and lookup), CONCURRENT_ARGS as for the starter, BUDGET_PAIR seconds
 #   --peer    (no folder: a call of its own once the starter's has run) tests/peer/compare.py:
 #             Tandem beside mlx-dspark on the starter, PEER_ARGS e.g. "--dtype float16"
 # Results land in $OUT (JSON + logs). DRY=1: a CPU dry run here (KEEP/SITE/WORK/OUT under a temp
@@ -90,5 +92,9 @@ case "$action" in
       concurrent) say "pair, concurrent requests"; run concurrent "${pair[@]}" ${CONCURRENT_ARGS:-} ;;
       *) say "pair benchmarks"; run pair "${pair[@]}" ${PAIR_ARGS:-} ;;
     esac ;;
+esac
+case "$action" in
+  *coder*) say "Qwen2.5-Coder-1.5B, concurrent requests"
+    run concurrent --target "$KEEP/qwen2.5-coder-1.5b.gguf" --budget "${BUDGET_PAIR:-480}" ${CONCURRENT_ARGS:-} ;;
 esac
 say "done; files in $OUT:"; ls -la "$OUT"

