@@ -47,6 +47,7 @@ from engine.target import Target, prefill_bounds
 
 
 CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
+MAX_CUT_RUN = 64  # ... doubled at each cut to nothing in a row, up to this
 
 
 @dataclass(eq=False)  # a row is itself: membership tests compare identities
@@ -78,6 +79,7 @@ class BatchRow:
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
     planned: int | None = None  # its next round's cap, asked early (while a plain step was in flight)
+    cuts: int = 0  # rounds in a row whose drafts the batch cut to nothing
     t_start: float = 0.0
     t_last: float = 0.0
 
@@ -124,6 +126,7 @@ class BatchLoop:
         self.last_width = 0  # rows in the last tick's round (0: it ran only a prefill chunk)
         self.slots = Slots()  # decoding rows' full-attention keys and values, one buffer per layer
         self._flight: _Flight | None = None  # a round of plain steps queued before the last one was read
+        self._round_owed = False  # a prompt's last chunk ended the last tick: this one is a round
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
@@ -171,14 +174,20 @@ class BatchLoop:
 
     # -- one tick -------------------------------------------------------------------------
     def step(self) -> list[Emitted]:
-        """One prefill chunk (if a row is prefilling), then one round for every decoding row."""
+        """One prefill chunk (if a row is prefilling), then one round for every decoding row. A
+        chunk that ends a prompt ends the tick, so its first token goes out before the others'
+        round, which the next tick runs before any other chunk."""
         out: list[Emitted] = []
         self.last_width = 0
         prefilling = [r for r in self.rows if not r.done and not r.decoding]
-        if prefilling:  # one chunk a tick: decoding rows, and requests arriving, wait one chunk at most
+        if prefilling and not self._round_owed:  # one chunk a tick: decoding rows wait one chunk at most
             first = self._prefill_chunk(prefilling[0])
             if first is not None:
-                out.append(first)
+                if first.done:
+                    self.remove(first.row)
+                self._round_owed = any(r.decoding for r in self.rows)
+                return [first]
+        self._round_owed = False
         decoding = [r for r in self.rows if r.decoding and not any(e.row is r and e.done for e in out)]
         if decoding:
             out.extend(self._round(decoding))
@@ -246,14 +255,21 @@ class BatchLoop:
             if told is not None:
                 told(len(rows))
         caps = [self._propose(row) for row in rows]
+        judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
+        if any(caps):
+            # Drafts as long as the caps are the most a round can be worth: where even they would
+            # be cut to nothing, the real ones would too, so nobody drafts (a draft forward saved)
+            full = [(cap, [0] * cap, None) for cap in caps]
+            if batch_width(rows, full, judge) == 1:
+                caps = [_trimmed(row, plan, 0)[0] for row, plan in zip(rows, full)]
         if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
             return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
         plans = self._drafts(rows, caps)
-        judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
         width = batch_width(rows, plans, judge)
         plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
-        if width > 1:
-            width = self.target.verify_width(width)
+        if width == 1:  # nothing drafted, or all of it cut: plain steps, queued (the next may chain on them)
+            return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
+        width = self.target.verify_width(width)
         verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
                            for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
         t_verify = self.clock()
@@ -464,12 +480,18 @@ def _may_trim(policy: object) -> bool:
 def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int) -> tuple[int, list[int], object]:
     """``plan`` with at most ``most`` drafts; its cap policy hears of a cut (none: a plain step)."""
     cap, drafts, draft = plan
+    if not drafts:
+        return plan
     if len(drafts) <= most:
+        row.cuts = 0
         return plan
     row.cap_policy.trim(most)
-    if most == 0:  # plain steps for a while: drafting again at once would likely be cut again
-        row.run_left, row.run_stop = CUT_RUN, None
+    if most == 0:  # plain steps for a while: drafting again soon would likely be cut again (and
+        # its draft forward be lost), the more likely the more often it was
+        row.cuts += 1
+        row.run_left, row.run_stop = min(MAX_CUT_RUN, CUT_RUN << (row.cuts - 1)), None
         return 0, [], None
+    row.cuts = 0
     draft.keep(most)
     return most, drafts[:most], draft
 

@@ -505,6 +505,27 @@ def test_plain_rounds_are_queued_before_the_last_is_read():
         assert_caches_clean(eng, t)
 
 
+def test_a_joining_rows_first_token_goes_out_before_the_others_round():
+    """The tick whose chunk ends a prompt ends there: the new row's first token goes out without
+    waiting for the decoding rows' round, and the next tick is that round (not another arrival's
+    chunk), so the rows already decoding wait one chunk at most, as before."""
+    eng = make_engine("llama")
+    loop = BatchLoop(eng.target, max_batch=3)
+    first = loop.add(BatchRow(PROMPTS[0], Sampler(SamplingParams()), 12, cap_policy=FixedCap(0)))
+    assert [e.row for e in loop.step()] == [first] and loop.last_width == 0  # its prefill alone
+    assert [e.row for e in loop.step()] == [first] and loop.last_width == 1  # its first round
+    second = loop.add(BatchRow(PROMPTS[1], Sampler(SamplingParams()), 12, cap_policy=FixedCap(0)))
+    third = loop.add(BatchRow(PROMPTS[3], Sampler(SamplingParams()), 12, cap_policy=FixedCap(0)))
+    ticks = []
+    while loop.busy and len(ticks) < 5:
+        ticks.append(([e.row for e in loop.step()], loop.last_width))
+    # each arrival's last chunk alone (its first token out), each followed by a round: the first
+    # lands the step the decoding row had in flight, the next one is every decoding row's
+    assert [w for _, w in ticks] == [0, 1, 0, 3, 3]
+    assert ticks[0][0] == [second] and ticks[1][0] == [first] and ticks[2][0] == [third]
+    assert set(ticks[3][0]) == {first, second, third}
+
+
 def test_suffix_drafts_from_earlier_requests_under_batching():
     """Lookup rows draft from what earlier requests wrote (the engine's suffix index): a batch
     repeating earlier prompts drafts far more than the first, with the same tokens."""

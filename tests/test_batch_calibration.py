@@ -205,7 +205,9 @@ def test_server_max_batch_comes_from_the_targets_calibration(tmp_path, monkeypat
 def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     """Three rows on a real target: two plain, one whose controller (acceptance 0.2) drafts 8
     tokens each round on a machine where each extra row-width costs a whole step. The batch
-    verifies none of them (every forward is one row wide) and the row's answer is its greedy one."""
+    verifies none of them (every forward is one row wide), never asks the drafter for them (even
+    8 drafts would be cut), asks the controller again after 4 and then 8 plain steps (a cut
+    doubles the wait), and the row's answer is its greedy one."""
     from engine.batch import BatchLoop, BatchRow
     from engine.sampling import Sampler, SamplingParams
     from engine.speculative import FixedCap
@@ -226,8 +228,10 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     eng.target.verify_rows = recording
     loop = BatchLoop(eng.target, max_batch=3)
     rows = [loop.add(BatchRow(p, Sampler(SamplingParams()), 12, cap_policy=FixedCap(0))) for p in prompts[:2]]
-    rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), 12, drafter=FixedDrafter([1] * 8),
-                                  cap_policy=weak)))
+    drafter = FixedDrafter([1] * 8)
+    asked = []
+    drafter.propose = lambda ids, cap, sampler: asked.append(cap) or FixedDrafter.propose(drafter, ids, cap, sampler)
+    rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), 12, drafter=drafter, cap_policy=weak)))
     tokens = {id(r): [] for r in rows}
     while loop.busy:
         for e in loop.step():
@@ -235,5 +239,6 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     del eng.target.verify_rows
     assert widths and set(widths) == {1}  # no forward carried the weak drafts
     assert all(d == 0 for d, _ in rows[2].stats.rounds) and weak.history[0] == 8
+    assert asked == [] and weak.history == [8, 8] and rows[2].cuts == 2  # rounds 1 and 6 of 11 (not 11 too)
     for r, p in zip(rows, prompts):
         assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=12, prefix_cache=False).token_ids
