@@ -254,17 +254,11 @@ class BatchLoop:
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:
                 told(len(rows))
-        caps = [self._propose(row) for row in rows]
-        judge = next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
-        if any(caps):
-            # Drafts as long as the caps are the most a round can be worth: where even they would
-            # be cut to nothing, the real ones would too, so nobody drafts (a draft forward saved)
-            full = [(cap, [0] * cap, None) for cap in caps]
-            if batch_width(rows, full, judge) == 1:
-                caps = [_trimmed(row, plan, 0)[0] for row, plan in zip(rows, full)]
+        caps = _uncut([self._propose(row) for row in rows], rows)
         if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
             return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
         plans = self._drafts(rows, caps)
+        judge = _judge(rows)
         width = batch_width(rows, plans, judge)
         plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
         if width == 1:  # nothing drafted, or all of it cut: plain steps, queued (the next may chain on them)
@@ -333,7 +327,7 @@ class BatchLoop:
             return False
         if any(not r.decoding for r in self.rows) or (self.waiting and len(self.rows) < self.max_batch):
             return False  # a request is about to prefill: its chunk waits for the step in flight only
-        caps = [self._propose(row) for row in rows]
+        caps = _uncut([self._propose(row) for row in rows], rows)
         if any(caps):
             for row, cap in zip(rows, caps):
                 row.planned = cap
@@ -448,6 +442,23 @@ class BatchLoop:
                            len(row.prompt_ids) + row.generated, row.generated, draft_s, verify_s, row.mode,
                            drafted_by, None if logprobs is None else logprobs[: len(out)])
         return Emitted(row, out, event, reason is not None)
+
+
+def _judge(rows: Sequence[BatchRow]) -> object | None:
+    """The cap controller that prices this batch's forwards (``batch_width``), if a row has one."""
+    return next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
+
+
+def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
+    """``caps``, or all 0 where the batch would cut every draft anyway. Drafts as long as the caps
+    are the most a round can be worth: where even they would be cut to nothing, the real ones
+    would be too, so nobody drafts (a draft forward saved, and plain steps stay queued)."""
+    if not any(caps):
+        return caps
+    full = [(cap, [0] * cap, None) for cap in caps]
+    if batch_width(rows, full, _judge(rows)) > 1:
+        return caps
+    return [_trimmed(row, plan, 0)[0] for row, plan in zip(rows, full)]
 
 
 def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], object]], judge: object | None) -> int:

@@ -206,8 +206,8 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     """Three rows on a real target: two plain, one whose controller (acceptance 0.2) drafts 8
     tokens each round on a machine where each extra row-width costs a whole step. The batch
     verifies none of them (every forward is one row wide), never asks the drafter for them (even
-    8 drafts would be cut), asks the controller again after 4 and then 8 plain steps (a cut
-    doubles the wait), and the row's answer is its greedy one."""
+    8 drafts would be cut), keeps its plain steps queued, asks the controller again after 4 and
+    then 8 plain steps (a cut doubles the wait), and the row's answer is its greedy one."""
     from engine.batch import BatchLoop, BatchRow
     from engine.sampling import Sampler, SamplingParams
     from engine.speculative import FixedCap
@@ -233,12 +233,16 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     drafter.propose = lambda ids, cap, sampler: asked.append(cap) or FixedDrafter.propose(drafter, ids, cap, sampler)
     rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), 12, drafter=drafter, cap_policy=weak)))
     tokens = {id(r): [] for r in rows}
+    chained = []  # per round of all three rows: was the next one queued before its tokens were read?
     while loop.busy:
         for e in loop.step():
             tokens[id(e.row)].extend(e.tokens)
+        if loop.last_width == 3 and all(r.decoding for r in rows):
+            chained.append(loop._flight is not None)
     del eng.target.verify_rows
     assert widths and set(widths) == {1}  # no forward carried the weak drafts
     assert all(d == 0 for d, _ in rows[2].stats.rounds) and weak.history[0] == 8
     assert asked == [] and weak.history == [8, 8] and rows[2].cuts == 2  # rounds 1 and 6 of 11 (not 11 too)
+    assert len(chained) > 5 and all(chained)  # a cut known before the round keeps the plain steps queued
     for r, p in zip(rows, prompts):
         assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=12, prefix_cache=False).token_ids
