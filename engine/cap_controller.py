@@ -76,6 +76,10 @@ class LearnedState:
         return min(int(self.probe_loss / PROBE_BUDGET), MAX_BUDGET_GAP)
 
 
+# What a request learns of its content (acceptance), apart from its machine's economics.
+CONTENT = ("p", "tokens_seen", "at_risk", "events", "rounds", "accepted_at", "tried_at")
+
+
 def _bucket(position: int) -> int:
     """Draft positions 1, 2, 3-4, 5-8, 9-16, ... -> buckets 0, 1, 2, 3, 4, ..."""
     return max(0, int(position) - 1).bit_length()
@@ -166,6 +170,7 @@ class CapController:
                  realized_decay: float = 0.1):
         self.cal = self.one_row_cal = self.flat_cal = cal  # see _price
         self.rows = 1  # sequences sharing the forwards now (batch_rows)
+        self.widest = 1  # the most it shared them with (what of it the engine keeps: rejoin)
         self.priced_context = 0  # the sequence length ``cal`` is priced at (``context``)
         self.max_cap = cal.max_cap if max_cap is None else min(max_cap, cal.max_cap)
         self.state = state if state is not None else LearnedState()
@@ -295,7 +300,7 @@ class CapController:
         to park, follow the batch width. A seeded controller keeps one row's curves: its caps,
         and so its tokens, must not depend on what else the server is answering."""
         if rows != self.rows and not self.seeded:
-            self.rows = rows
+            self.rows, self.widest = rows, max(self.widest, rows)
             self._price()
             if self.state.rounds >= self.park_after:  # what it learned of the content, at this width's costs
                 self._repick()
@@ -332,9 +337,16 @@ class CapController:
             self._shared, self.state = self.state, copy.deepcopy(self.state)
 
     def rejoin(self) -> None:
-        """The request left the batch: what it learned becomes the engine's (the last to leave wins)."""
+        """The request left the batch: what it learned becomes the engine's (the last to leave
+        wins). After forwards shared with other rows, only what it learned of the content (its
+        acceptance): its timings, its cap and whether it parked were a batch's economics, and
+        the engine's next lone request starts from its own (it would otherwise start parked
+        where a batch of four parked, and lose most of a short answer before a probe)."""
         if self._shared is not None:
-            self._shared.__dict__.update(self.state.__dict__)
+            learned = self.state.__dict__
+            if self.widest > 1:
+                learned = {k: learned[k] for k in CONTENT}
+            self._shared.__dict__.update(learned)
             self.state, self._shared = self._shared, None
 
     def expected_tokens(self, drafts: int) -> float:

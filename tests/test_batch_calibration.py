@@ -246,3 +246,27 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     assert len(chained) > 5 and all(chained)  # a cut known before the round keeps the plain steps queued
     for r, p in zip(rows, prompts):
         assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=12, prefix_cache=False).token_ids
+
+
+def test_a_request_that_parked_in_a_batch_leaves_the_engine_its_acceptance_not_its_parking():
+    """A row detaches from the engine's learned state, parks at a width of four (batched plain
+    steps win there) and leaves: the engine's next lone request keeps the engine's own cap and
+    parking but learns the row's acceptance. A row that decoded alone hands back everything."""
+    from engine.cap_controller import LearnedState
+
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    shared = LearnedState(p=0.7, cap=4)
+    row = CapController(cal, 8, state=shared)
+    row.detach()
+    row.batch_rows(4)
+    row.state.p, row.state.rounds = 0.55, 20
+    row._park()
+    row.batch_rows(1)  # the others left before it did
+    row.rejoin()
+    assert row.state is shared and not shared.parked and shared.cap == 4  # the engine's own economics
+    assert shared.p == 0.55 and shared.rounds == 20  # what the row learned of the content
+    alone = CapController(cal, 8, state=shared)
+    alone.detach()
+    alone._park()
+    alone.rejoin()
+    assert shared.parked  # one row's forwards: its parking is the engine's
