@@ -9,7 +9,9 @@ An arm is one server process: an engine (``tandem serve`` or ``mlx-dspark serve`
 Both load the float32 mlx-lm folder of the starter that ``compare.py`` converts, the peer its
 drafter unquantized (``--drafter-bits 0``, as Tandem on a CPU); both run without their prefix
 caches (the same prompts come again every trial) and Tandem without drafts from earlier requests
-(``--no-suffix-drafts``: lookup would otherwise find each answer in the trial before). The peer
+(``--no-suffix-drafts``: lookup would otherwise find each answer in the trial before), its
+speculating arms with ``--lookup-first`` (the starter's registry default, which a converted
+folder does not match). The peer
 preloads OpenBLAS as Tandem does and runs without Tandem's skinny matmuls unless ``--peer-skinny``.
 Before timing, Tandem's calibration of the pair is made (cached, as ``compare.py`` does).
 
@@ -124,8 +126,8 @@ def server_command(spec: ArmSpec, folder: Path, port: int, args: argparse.Namesp
         cmd = [sys.executable, "-m", "engine.cli", "serve", "--model", str(folder), "--mode", spec.mode,
                "--max-batch", str(spec.max_batch), "--host", "127.0.0.1", "--port", str(port), "--no-prefix-cache",
                "--no-suffix-drafts"]
-        if speculates:
-            cmd += ["--drafter", str(DRAFTER)]
+        if speculates:  # the folder is not the registry's starter row: its lookup-first default, said
+            cmd += ["--drafter", str(DRAFTER), "--lookup-first"]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if args.tandem_no_skinny:
             env["TANDEM_NO_SKINNY"] = "1"
