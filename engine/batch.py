@@ -80,6 +80,7 @@ class BatchRow:
     slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
     planned: int | None = None  # its next round's cap, asked early (while a plain step was in flight)
     cuts: int = 0  # rounds in a row whose drafts the batch cut to nothing
+    cut_width: int = 0  # the batch's width at the last of them (its plain run ends when that changes)
     t_start: float = 0.0
     t_last: float = 0.0
 
@@ -254,13 +255,15 @@ class BatchLoop:
             told = getattr(row.cap_policy, "batch_rows", None)
             if told is not None:
                 told(len(rows))
+            if row.cut_width and row.cut_width != len(rows):  # cut at another width: ask again now
+                row.run_left = row.cuts = row.cut_width = 0
         caps = _uncut([self._propose(row) for row in rows], rows)
         if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
             return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
         plans = self._drafts(rows, caps)
         judge = _judge(rows)
         width = batch_width(rows, plans, judge)
-        plans = [_trimmed(row, plan, width - 1) for row, plan in zip(rows, plans)]
+        plans = [_trimmed(row, plan, width - 1, len(rows)) for row, plan in zip(rows, plans)]
         if width == 1:  # nothing drafted, or all of it cut: plain steps, queued (the next may chain on them)
             return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
         width = self.target.verify_width(width)
@@ -450,15 +453,33 @@ def _judge(rows: Sequence[BatchRow]) -> object | None:
 
 
 def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
-    """``caps``, or all 0 where the batch would cut every draft anyway. Drafts as long as the caps
-    are the most a round can be worth: where even they would be cut to nothing, the real ones
-    would be too, so nobody drafts (a draft forward saved, and plain steps stay queued)."""
-    if not any(caps):
+    """``caps``, or all 0 where drafting does not pay the batch: where the rounds the caps
+    promise (each row's acceptance, and how far its drafter tends to reach), verified at the best
+    width with the draft's cost, commit fewer tokens a ms than a plain step of every row (queued,
+    without a round's overhead), nobody drafts (a draft forward saved, and plain steps stay
+    queued). A row whose drafts may not be cut (a seeded request, a probe, a fixed cap) drafts."""
+    judge = _judge(rows)
+    if not any(caps) or judge is None or len(rows) == 1:
         return caps
     full = [(cap, [0] * cap, None) for cap in caps]
-    if batch_width(rows, full, _judge(rows)) > 1:
+    if any(cap and not _may_trim(r.cap_policy) for r, cap in zip(rows, caps)):
         return caps
-    return [_trimmed(row, plan, 0)[0] for row, plan in zip(rows, full)]
+    cost = judge.corrected()
+    # the step as calibrated at this width, or as timed live where that ran faster: a row's live
+    # plain steps also hold the ticks in which other rows prefilled
+    plain = len(rows) / min(cost.plain_step_ms(), judge.cal.plain_step_ms())
+    best = max(sum(_worth(r, min(cap, w - 1), judge, before=True) for r, cap in zip(rows, caps))
+               / (judge.round_ms(w) + cost.draft(w - 1)) for w in range(2, max(caps) + 2))
+    if best > plain:
+        return caps
+    return [_trimmed(row, plan, 0, len(rows))[0] for row, plan in zip(rows, full)]
+
+
+def _worth(row: BatchRow, k: int, judge: object, before: bool = False) -> float:
+    """Tokens a round verifying ``k`` of the row's drafts commits, by the row's own controller;
+    ``before`` the drafts are made: at cap ``k``, where a draft may stop short of it."""
+    policy = row.cap_policy if hasattr(row.cap_policy, "expected_tokens") else judge
+    return policy.expected_at_cap(k) if before else policy.expected_tokens(k)
 
 
 def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], object]], judge: object | None) -> int:
@@ -474,11 +495,8 @@ def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], 
     if least == widest:
         return widest
 
-    def worth(row: BatchRow, k: int) -> float:
-        return (row.cap_policy if hasattr(row.cap_policy, "expected_tokens") else judge).expected_tokens(k)
-
     def rate(w: int) -> float:
-        return sum(worth(r, min(len(d), w - 1)) for r, (_, d, _) in zip(rows, plans)) / judge.round_ms(w)
+        return sum(_worth(r, min(len(d), w - 1), judge) for r, (_, d, _) in zip(rows, plans)) / judge.round_ms(w)
 
     return max(range(least, widest + 1), key=rate)  # the narrowest of equals
 
@@ -488,21 +506,23 @@ def _may_trim(policy: object) -> bool:
     return trimmable is not None and trimmable()
 
 
-def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int) -> tuple[int, list[int], object]:
-    """``plan`` with at most ``most`` drafts; its cap policy hears of a cut (none: a plain step)."""
+def _trimmed(row: BatchRow, plan: tuple[int, list[int], object], most: int, width: int
+             ) -> tuple[int, list[int], object]:
+    """``plan`` with at most ``most`` drafts in a batch of ``width`` rows; its cap policy hears of
+    a cut (none: a plain step)."""
     cap, drafts, draft = plan
     if not drafts:
         return plan
     if len(drafts) <= most:
-        row.cuts = 0
+        row.cuts = row.cut_width = 0
         return plan
     row.cap_policy.trim(most)
     if most == 0:  # plain steps for a while: drafting again soon would likely be cut again (and
         # its draft forward be lost), the more likely the more often it was
-        row.cuts += 1
+        row.cuts, row.cut_width = row.cuts + 1, width
         row.run_left, row.run_stop = min(MAX_CUT_RUN, CUT_RUN << (row.cuts - 1)), None
         return 0, [], None
-    row.cuts = 0
+    row.cuts = row.cut_width = 0
     draft.keep(most)
     return most, drafts[:most], draft
 

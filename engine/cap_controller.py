@@ -358,6 +358,15 @@ class CapController:
             tokens += reach
         return tokens
 
+    def expected_at_cap(self, cap: int) -> float:
+        """Tokens a round at ``cap`` commits before its drafts are known: each position reached by
+        the drafter (``survival``: a draft may stop short of the cap) and accepted."""
+        tokens, reach, survival = 1.0, 1.0, self.survival()
+        for i, a in enumerate(self.acceptance()[1 : min(cap, self.max_cap) + 1], start=1):
+            reach *= a
+            tokens += survival[i] * reach
+        return tokens
+
     def round_ms(self, width: int) -> float:
         """A forward verifying ``width`` rows per sequence, at this batch's width (ms)."""
         return self.corrected().verify(width)

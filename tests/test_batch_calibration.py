@@ -227,11 +227,14 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
 
     eng.target.verify_rows = recording
     loop = BatchLoop(eng.target, max_batch=3)
-    rows = [loop.add(BatchRow(p, Sampler(SamplingParams()), 12, cap_policy=FixedCap(0))) for p in prompts[:2]]
+    budgets = [24, 24, 12]  # the plain rows outlast the weak one: it decodes at a width of three throughout
+    rows = [loop.add(BatchRow(p, Sampler(SamplingParams()), n, cap_policy=FixedCap(0)))
+            for p, n in zip(prompts[:2], budgets)]
     drafter = FixedDrafter([1] * 8)
     asked = []
     drafter.propose = lambda ids, cap, sampler: asked.append(cap) or FixedDrafter.propose(drafter, ids, cap, sampler)
-    rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), 12, drafter=drafter, cap_policy=weak)))
+    rows.append(loop.add(BatchRow(prompts[2], Sampler(SamplingParams()), budgets[2], drafter=drafter,
+                                  cap_policy=weak)))
     tokens = {id(r): [] for r in rows}
     chained = []  # per round of all three rows: was the next one queued before its tokens were read?
     while loop.busy:
@@ -244,8 +247,8 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     assert all(d == 0 for d, _ in rows[2].stats.rounds) and weak.history[0] == 8
     assert asked == [] and weak.history == [8, 8] and rows[2].cuts == 2  # rounds 1 and 6 of 11 (not 11 too)
     assert len(chained) > 5 and all(chained)  # a cut known before the round keeps the plain steps queued
-    for r, p in zip(rows, prompts):
-        assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=12, prefix_cache=False).token_ids
+    for r, p, n in zip(rows, prompts, budgets):
+        assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=n, prefix_cache=False).token_ids
 
 
 def test_a_request_that_parked_in_a_batch_leaves_the_engine_its_acceptance_not_its_parking():
@@ -270,3 +273,54 @@ def test_a_request_that_parked_in_a_batch_leaves_the_engine_its_acceptance_not_i
     alone._park()
     alone.rejoin()
     assert shared.parked  # one row's forwards: its parking is the engine's
+
+
+def test_nobody_drafts_where_a_round_loses_to_a_queued_plain_step_of_every_row():
+    """The batch's judge of widths prices a round with no drafts as a round; whether to draft at
+    all is priced against what the batch does instead: a queued plain step of every row, which
+    on a GPU costs about half a round. There four rows of drafts that pay against a round lose
+    to it, and nobody drafts; where a plain step costs a round, they draft."""
+    from types import SimpleNamespace
+
+    from engine.batch import _uncut, batch_width
+
+    def four_rows(plain_ms: float):
+        cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=0.2)
+        cal.plain_ms = plain_ms
+        return [SimpleNamespace(cap_policy=_speculating(cal, 0.5), cuts=0, run_left=0, run_stop=None)
+                for _ in range(4)]
+
+    rows = four_rows(plain_ms=5.0)
+    assert batch_width(rows, [(3, [0] * 3, None)] * 4, rows[0].cap_policy) > 1  # against a round: draft
+    assert _uncut([3, 3, 3, 3], rows) == [0, 0, 0, 0] and all(r.cuts == 1 and r.run_left for r in rows)
+    rows = four_rows(plain_ms=10.5)
+    assert _uncut([3, 3, 3, 3], rows) == [3, 3, 3, 3]
+
+
+def test_a_row_cut_in_a_batch_drafts_again_once_it_is_alone():
+    """The plain run a cut imposes belongs to the width it was cut at: when the other rows leave,
+    the row asks its controller at once (alone its drafts are its own to pay) instead of waiting
+    out a run meant for a batch of three."""
+    from engine.batch import BatchLoop, BatchRow
+    from engine.sampling import Sampler, SamplingParams
+    from engine.speculative import FixedCap
+    from tests.tiny import FixedDrafter
+
+    eng = make_tiny_engine("llama")
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=10.0)
+    weak = CapController(cal, 8)
+    weak.state.p, weak.state.cap = 0.2, 8
+    loop = BatchLoop(eng.target, max_batch=3)
+    plain = [loop.add(BatchRow(p, Sampler(SamplingParams()), 20, cap_policy=FixedCap(0)))
+             for p in ([5, 6, 7, 8], [9, 10, 11])]
+    drafter = FixedDrafter([1] * 8)
+    asked = []
+    drafter.propose = lambda ids, cap, sampler: asked.append(len(ids)) or FixedDrafter.propose(drafter, ids, cap, sampler)
+    row = loop.add(BatchRow([12, 13, 14, 15, 16], Sampler(SamplingParams()), 40, drafter=drafter, cap_policy=weak))
+    alone_from = None
+    while loop.busy:
+        loop.step()
+        if alone_from is None and all(r.done for r in plain):
+            alone_from = len(row.stats.ids)
+    assert row.cuts == 0 and alone_from is not None and asked  # cut with the others, drafting after
+    assert asked[0] <= alone_from + 1  # at its first round alone, not CUT_RUN (or more) rounds later

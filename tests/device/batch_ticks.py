@@ -1,0 +1,97 @@
+"""What the ticks of a batched run are made of, per arm: how many forwards each tick ran and how
+wide (rows x width), their mean time, and per row the rounds it drafted, the drafts kept and the
+caps its policy asked for. Written for the H100 table where lookup@auto ran a four-row math batch
+at 0.64x the batched baseline (h100-concurrent-starter-bfloat16-cuts.json), to see whether the
+rounds speculated, were cut, or were slow for another reason.
+
+    python3 tests/device/batch_ticks.py [--gguf STARTER.gguf] [--dtype bfloat16] --arms baseline,lookup
+        [--classes math] [--trials 2] [--max-new-tokens 128] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import engine.batching as batching
+from engine import batch
+from engine.api import load
+from engine.benchmark import Arm
+from engine.concurrent_bench import run_batched
+from engine.prompts import load_prompts
+
+
+def instrument() -> list:
+    """Patch the batch loop to record, per Batcher tick, its forwards (rows, width), whether it
+    drafted, and its time; returns the list the ticks are appended to."""
+    ticks: list = []
+    current: dict = {}
+    verify, drafts, step = batch.BatchLoop._verify, batch.BatchLoop._drafts, batching.Batcher.step
+
+    def _verify(self, rows, ids):
+        current.setdefault("forwards", []).append((len(rows), int(ids.shape[1])))
+        return verify(self, rows, ids)
+
+    def _drafts(self, rows, caps):
+        current["drafted"] = True
+        return drafts(self, rows, caps)
+
+    def _step(self):
+        current.clear()
+        t0 = time.perf_counter()
+        step(self)
+        ticks.append((tuple(current.get("forwards", [])), bool(current.get("drafted")), time.perf_counter() - t0))
+
+    batch.BatchLoop._verify, batch.BatchLoop._drafts, batching.Batcher.step = _verify, _drafts, _step
+    return ticks
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--arms", default="baseline,lookup")
+    ap.add_argument("--classes", default="math")
+    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    ticks = instrument()
+    eng = load(args.gguf, dtype=args.dtype)
+    eng.suffix_index = None
+    out = []
+    for cls in args.classes.split(","):
+        group = [eng.encode(p) for _, p in load_prompts([cls], 4)]
+        for mode in args.arms.split(","):
+            arm = Arm("baseline") if mode == "baseline" else Arm(mode, "auto")
+            run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up (calibration, first shapes)
+            for trial in range(args.trials):
+                ticks.clear()
+                summary, results = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
+                kinds: dict = collections.defaultdict(lambda: [0, 0.0])
+                for forwards, drafted, seconds in ticks:
+                    key = ",".join(f"{r}x{w}" for r, w in forwards) or "prefill"
+                    key += " drafted" if drafted else ""
+                    kinds[key][0] += 1
+                    kinds[key][1] += seconds
+                rows = [{"drafted": sum(d for d, _ in r.rounds[1:]), "accepted": sum(a for _, a in r.rounds[1:]),
+                         "caps": dict(collections.Counter(r.caps))} for r in results]
+                entry = {"class": cls, "arm": arm.name, "trial": trial, "tok_s": round(summary["tok_s"], 1),
+                         "ticks": {k: {"n": n, "mean_ms": round(1000 * s / n, 2)} for k, (n, s) in kinds.items()},
+                         "rows": rows}
+                out.append(entry)
+                print(f"{cls} {arm.name} trial {trial}: {entry['tok_s']} tok/s", flush=True)
+                for k, v in sorted(entry["ticks"].items(), key=lambda kv: -kv[1]["n"] * kv[1]["mean_ms"]):
+                    print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms")
+                for r in rows:
+                    print(f"   row: drafted {r['drafted']} accepted {r['accepted']} caps {r['caps']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
