@@ -178,7 +178,6 @@ class BatchLoop:
         """One prefill chunk (if a row is prefilling), then one round for every decoding row. A
         chunk that ends a prompt ends the tick, so its first token goes out before the others'
         round, which the next tick runs before any other chunk."""
-        out: list[Emitted] = []
         self.last_width = 0
         prefilling = [r for r in self.rows if not r.done and not r.decoding]
         if prefilling and not self._round_owed:  # one chunk a tick: decoding rows wait one chunk at most
@@ -189,9 +188,8 @@ class BatchLoop:
                 self._round_owed = any(r.decoding for r in self.rows)
                 return [first]
         self._round_owed = False
-        decoding = [r for r in self.rows if r.decoding and not any(e.row is r and e.done for e in out)]
-        if decoding:
-            out.extend(self._round(decoding))
+        decoding = [r for r in self.rows if r.decoding]
+        out = self._round(decoding) if decoding else []
         for e in out:
             if e.done:
                 self.remove(e.row)
@@ -461,7 +459,6 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
     judge = _judge(rows)
     if not any(caps) or judge is None or len(rows) == 1:
         return caps
-    full = [(cap, [0] * cap, None) for cap in caps]
     if any(cap and not _may_trim(r.cap_policy) for r, cap in zip(rows, caps)):
         return caps
     cost = judge.corrected()
@@ -472,7 +469,7 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
                / (judge.round_ms(w) + cost.draft(w - 1)) for w in range(2, max(caps) + 2))
     if best > plain:
         return caps
-    return [_trimmed(row, plan, 0, len(rows))[0] for row, plan in zip(rows, full)]
+    return [_trimmed(row, (cap, [0] * cap, None), 0, len(rows))[0] for row, cap in zip(rows, caps)]
 
 
 def _worth(row: BatchRow, k: int, judge: object, before: bool = False) -> float:
