@@ -28,6 +28,23 @@ if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
 
 
+AGENT = "agent"  # --classes agent: requests of the replayed agent session (engine/agent_session.py)
+
+
+def agent_prompts(n: int) -> list[tuple[str, list[dict]]]:
+    """``n`` requests of the replayed agent session, spread over it (the last is its last, the
+    reviewer sub-agent's): as from ``n`` agents at different stages of the same task, each request
+    its conversation so far (tool results, files read, the edits), 0.6-6k tokens on the starter.
+    A class of its own."""
+    from engine.agent_session import build_session
+
+    requests = build_session().requests
+    if n > len(requests):
+        raise TandemError(f"--concurrent {n}: the agent session has {len(requests)} requests")
+    picks = [len(requests) * (i + 1) // n - 1 for i in range(n)]
+    return [(AGENT, requests[i]) for i in picks]
+
+
 def _percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

@@ -535,3 +535,21 @@ def test_suffix_drafts_from_earlier_requests_under_batching():
     again, _ = run_batch(eng, [dict(prompt=p, **kw) for p in PROMPTS[1:]], max_batch=3)
     assert [t.result.token_ids for t in again] == [t.result.token_ids for t in first]
     assert sum(t.result.drafted for t in again) > sum(t.result.drafted for t in first)
+
+
+def test_concurrent_agent_class_is_the_replayed_sessions_requests_spread_over_it(capsys):
+    """``--classes agent``: N requests of the agent session, spread over it and ending with its
+    last (the reviewer sub-agent's), each its conversation so far; refused without ``--concurrent``."""
+    from engine.agent_session import build_session
+    from engine.cli import main
+    from engine.concurrent_bench import AGENT, agent_prompts
+
+    requests = build_session().requests
+    picked = agent_prompts(4)
+    assert [c for c, _ in picked] == [AGENT] * 4 and picked[-1][1] == requests[-1]
+    sizes = [sum(len(m["content"]) for m in messages) for _, messages in picked]
+    assert sizes[:3] == sorted(sizes[:3]) and len(set(sizes)) == 4  # three stages of the main loop, in order,
+    assert picked[-1][1][0]["content"] != requests[0][0]["content"]  # and the reviewer sub-agent's own conversation
+    assert all(messages in requests for _, messages in picked)
+    assert main(["benchmark", "--classes", "agent", "--modes", "lookup"]) == 1  # before any model loads
+    assert "--agent-replay" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.benchmark import format_multi_turn, format_report, make_arms, parse_caps, run_benchmark, run_multi_turn
+from engine.concurrent_bench import AGENT, agent_prompts
 from engine.context_bench import check_single_turn, format_context, parse_contexts, run_context
 from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_conversations, load_prompts, load_spec_bench
 from engine.calibrate import tqdm_progress
@@ -32,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-class", type=int, default=3, help="prompts per class (or Spec-Bench category)")
     p.add_argument("--classes", default=None,
                    help=f"comma-separated; classes: {', '.join(CLASSES)} (default all); spec-bench: "
-                        f"{', '.join(SPEC_BENCH)} (default all)")
+                        f"{', '.join(SPEC_BENCH)} (default all); with --concurrent also '{AGENT}': requests "
+                        "of the --agent-replay session, spread over it")
     p.add_argument("--prompts-dir", default=None, help="folder with the prompt .jsonl files (default: TANDEM_PROMPTS_DIR, "
                                                        "else the prompts shipped with Tandem)")
     p.add_argument("--noise-floor", action="store_true",
@@ -75,12 +77,20 @@ def run(args: argparse.Namespace) -> int:
         return _agent_replay(args, modes)
     classes = [c.strip() for c in (args.classes or "").split(",") if c.strip()]
     folder = Path(args.prompts_dir) if args.prompts_dir else None
+    agent = AGENT in classes
+    if agent and not args.concurrent:
+        raise TandemError(f"--classes {AGENT} is --concurrent's (the session alone: --agent-replay)")
+    classes = [c for c in classes if c != AGENT]
     if args.concurrent:  # a class's group is its first N prompts
         args.prompts_per_class = max(args.prompts_per_class, args.concurrent)
-    if args.suite == "spec-bench":
+    if agent and not classes:
+        prompts = []
+    elif args.suite == "spec-bench":
         prompts = load_spec_bench(classes or None, args.prompts_per_class, folder)
     else:
         prompts = load_prompts(classes or list(CLASSES), args.prompts_per_class, folder)
+    if agent:
+        prompts += agent_prompts(args.concurrent)
     caps = parse_caps(args.max_draft)
     if contexts is not None:
         check_single_turn(prompts)  # before the model loads
