@@ -257,13 +257,13 @@ class BatchLoop:
                 row.run_left = row.cuts = row.cut_width = 0
         caps = _uncut([self._propose(row) for row in rows], rows)
         if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
-            return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
+            return self._plain(rows)
         plans = self._drafts(rows, caps)
         judge = _judge(rows)
         width = batch_width(rows, plans, judge)
         plans = [_trimmed(row, plan, width - 1, len(rows)) for row, plan in zip(rows, plans)]
         if width == 1:  # nothing drafted, or all of it cut: plain steps, queued (the next may chain on them)
-            return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
+            return self._plain(rows)
         width = self.target.verify_width(width)
         verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
                            for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
@@ -292,6 +292,10 @@ class BatchLoop:
             row.cap_policy.observe(k, n, (now - row.t_last) * share)
             row.t_last = now
         return out
+
+    def _plain(self, rows: list[BatchRow]) -> list[Emitted]:
+        """A plain step of every row from its last token, queued, the next one queued on it where it chains."""
+        return self._land(self._queue(rows, [mx.array(row.stats.ids[-1]) for row in rows], False), rows)
 
     def _verify(self, rows: list[BatchRow], ids: mx.array) -> tuple[mx.array, mx.array | None, list]:
         """One forward of ``ids`` [rows, width] over the rows' caches, tapped where a row's drafter

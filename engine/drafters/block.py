@@ -357,10 +357,15 @@ class Attention(nn.Module):
         self.causal, self.window = cfg.layer_attention(index)
 
     def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        n = x.shape[1]
-        k = self.k_norm(self.k_proj(x).reshape(1, n, self.n_kv, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        k, v = self._project_kv(x)
         return self.rope(k, offset=offset), v
+
+    def _project_kv(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys (before rope) and values of x [rows, n, H], each [rows, kv heads, n, head dim]."""
+        rows, n = x.shape[0], x.shape[1]
+        k = self.k_norm(self.k_proj(x).reshape(rows, n, self.n_kv, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(rows, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        return k, v
 
     def mask(self, p: int, n: int, keys: int) -> mx.array | None:
         """Which of ``keys`` rows the block rows (positions p..p+n-1) see: the context and the
@@ -382,8 +387,7 @@ class Attention(nn.Module):
         kvs = kv if isinstance(kv, list) else [kv]
         rows, n = x.shape[0], x.shape[1]
         q = self.q_norm(self.q_proj(x).reshape(rows, n, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(rows, n, self.n_kv, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(rows, n, self.n_kv, self.head_dim).transpose(0, 2, 1, 3)
+        k, v = self._project_kv(x)
         out = []
         for b, kv in enumerate(kvs):
             p = kv.offset  # the anchor's absolute position

@@ -414,8 +414,8 @@ def main() -> int:
                   lambda dtype, share, saver: pair_part(args, dtype, share, lambda o: saver.put("pair", o)))
     elif args.part == "concurrent":
         name = "concurrent-pair" if args.target else "concurrent-starter"
-        missing = [f for f in ((args.target, args.draft or args.target) if args.target else (args.gguf,))
-                   if not f or not Path(f).is_file()]
+        wanted = ([args.target] + ([args.draft] if args.draft else [])) if args.target else [args.gguf]
+        missing = [f for f in wanted if not f or not Path(f).is_file()]
         if missing:
             log(f"no GGUF at {missing[0]!r}")
             return 2

@@ -67,18 +67,18 @@ if has peer; then  # their own needs (transformers, pillow, ...) are on the devi
 fi
 milestones=()
 has random8b && milestones+=("$(basename .stage-cache/bench/gguf-*.whl)=random8b")
-if has pair; then
+if has pair || has coder; then
   # Not compressed: Q4_K/Q5_0 blocks shrink ~3% (their wheels' zip), less than a call's worth
   # per GB, and unpacking 1.6 GB on the device would cost more than those calls.
   mapfile -t pair < <("$PY" tests/device/stage_pair.py .stage-cache/pair 2> >(grep -v "^WARNING: Location" >&2))
   [ "${#pair[@]}" = 2 ] || { echo "stage_bench: the pair's GGUFs were not assembled" >&2; exit 1; }
-  payload+=("${pair[@]}")
-  milestones+=("$(basename "${pair[0]}")+$(basename "${pair[1]}")=pair")
-elif has coder; then
-  mapfile -t pair < <("$PY" tests/device/stage_pair.py .stage-cache/pair 2> >(grep -v "^WARNING: Location" >&2))
-  [ "${#pair[@]}" = 2 ] || { echo "stage_bench: the target's GGUF was not assembled" >&2; exit 1; }
-  payload+=("${pair[1]}")
-  milestones+=("$(basename "${pair[1]}")=coder")
+  if has pair; then
+    payload+=("${pair[@]}")
+    milestones+=("$(basename "${pair[0]}")+$(basename "${pair[1]}")=pair")
+  else  # coder: the target alone
+    payload+=("${pair[1]}")
+    milestones+=("$(basename "${pair[1]}")=coder")
+  fi
 fi
 
 if has starter; then
