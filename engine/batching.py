@@ -139,6 +139,22 @@ def _ignore(chunk: Chunk) -> None:
     """No one reads the chunks as they come (``generate_batch``): the ticket keeps the result."""
 
 
+def warm_up(engine: Engine, modes: list[str], rows: int, progress: Callable[[int, int, str], None] | None = None,
+            tokens: int | None = None) -> float:
+    """``Engine.warm_up`` for batches of up to ``rows`` requests: each mode also runs a short
+    batch of every row count from 2, its prompts of different lengths. Returns the seconds."""
+    from engine.warmup import warm_prompt
+
+    def short_batch(mode: str, n: int) -> None:
+        batcher = Batcher(engine, n)
+        for b in range(n):
+            batcher.submit(warm_prompt(engine.target.vocab_size, 16 + 3 * b), mode=mode, max_new_tokens=8,
+                           prefix_cache=False)
+        batcher.run()
+
+    return engine.warm_up(modes, progress=progress, tokens=tokens, rows=rows, generate_rows=short_batch)
+
+
 def default_max_batch(engine: Engine) -> int:
     """``--max-batch`` when not given: the widest batch that this machine's cached calibration of
     the target (``tandem calibrate``, or the first ``--max-draft auto`` request) shows raising

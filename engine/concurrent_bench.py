@@ -154,6 +154,10 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
         if progress is not None:
             progress(done, total, label)
 
+    if engine.target.shapes is not None:  # every batch shape the arms will meet, compiled before any timing
+        from engine.batching import warm_up
+
+        warm_up(engine, list(dict.fromkeys(a.mode for a in arms)), concurrent)
     for arm in arms:  # warm-up: first-call allocations, both paths
         run_batched(engine, [groups[classes[0]][0]] * 2, arm, 8, 0.0, 2)
         tick(f"warm-up {arm.name}")

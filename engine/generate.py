@@ -412,15 +412,19 @@ class Engine:
         return modes.default_cap(self, mode, drafter)
 
     def warm_up(self, modes: Sequence[str] = ("baseline",), *, progress: Callable[[int, int, str], None] | None = None,
-                tokens: int | None = None) -> float:
-        """Run once, now, the shapes and kernels ``modes`` will use (``engine/warmup.py``): on a GPU
-        backend the first request then pays no compile time. Returns the seconds it took."""
-        from engine.warmup import WARM_TOKENS, warm_up
+                tokens: int | None = None, rows: int = 1,
+                generate_rows: Callable[[str, int], object] | None = None) -> float:
+        """Run once, now, the shapes and kernels ``modes`` will use (``engine/warmup.py``), for
+        batches of up to ``rows`` requests (``engine.batching.warm_up`` passes its short batch as
+        ``generate_rows``): on a GPU backend the first request then pays no compile time. Returns
+        the seconds it took."""
+        from engine.warmup import WARM_TOKENS, warm_prompt, warm_up
 
         modes = [self.resolve_mode(m) for m in modes]
-        prompt = [(5 * i + 2) % max(2, self.target.vocab_size) for i in range(16)]
-        return warm_up(self, modes, tokens=tokens or WARM_TOKENS, progress=progress,
-                       generate=lambda m: self.generate(prompt, mode=m, max_new_tokens=8, prefix_cache=False))
+        prompt = warm_prompt(self.target.vocab_size)
+        return warm_up(self, modes, tokens=tokens or WARM_TOKENS, progress=progress, rows=rows,
+                       generate=lambda m: self.generate(prompt, mode=m, max_new_tokens=8, prefix_cache=False),
+                       generate_rows=generate_rows)
 
     def mode_support(self) -> dict[str, str | None]:
         """Every mode, with None when this engine can run it, else the one-line reason it cannot

@@ -74,16 +74,19 @@ def parse_max_draft(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--max-draft takes an integer or 'auto', got '{value}'")
 
 
-def warm_up(engine: "Engine", modes: list[str]) -> "Engine":
-    """Where a backend compiles per shape (CUDA), compile the shapes ``modes`` will use now, with a
-    progress bar on stderr; elsewhere nothing to do. Returns the engine."""
+def warm_up(engine: "Engine", modes: list[str], rows: int | None = 1) -> "Engine":
+    """Where a backend compiles per shape (CUDA), compile the shapes ``modes`` will use now, for
+    batches of up to ``rows`` requests (None: ``--max-batch``'s default), with a progress bar on
+    stderr; elsewhere nothing to do. Returns the engine."""
     if engine.target.shapes is None:
         return engine
+    from engine import batching
     from engine.calibrate import tqdm_progress
 
+    rows = batching.default_max_batch(engine) if rows is None else rows
     progress, close = tqdm_progress("warming up")
     try:
-        engine.warm_up(modes, progress=progress)
+        batching.warm_up(engine, modes, rows, progress)
     finally:
         close()
     return engine

@@ -238,6 +238,12 @@ class Slots:
 
         _replace_leaves(cache, move)
 
+    def reserve(self, columns: int) -> None:
+        """Grow every layer's buffers to hold ``columns`` key rows (the warm-up's capacities)."""
+        for layer in self.layers.values():
+            size = max(layer.keys.shape[2], layer._capacity(columns - 1))
+            layer.keys, layer.values = _room(layer.keys, size), _room(layer.values, size)
+
     def leave(self, cache: list) -> None:
         """Give a row its own full-attention caches back, in place in ``cache``."""
         def back(i: int, c: Any) -> Any:

@@ -239,3 +239,41 @@ def test_a_draft_model_under_the_shape_policy_feeds_power_of_two_pieces_lossless
     widths.clear()
     drafter.propose(copy + list(range(3, 15)), 2, Sampler(SamplingParams()))
     assert widths == [8, 4, 1, 1]  # the pieces, then one draft step
+
+
+def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
+    """A batch multiplies the shapes by its row count: after ``batching.warm_up`` for 3 rows, three
+    requests of different lengths decoding together (lookup and DSpark) run only warmed
+    multi-row attention shapes (rows, query rows, key rows)."""
+    from engine.api import generate_batch
+    from engine.batching import warm_up
+    from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
+
+    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
+    cfg, w = dspark_checkpoint(target_config_of(eng.model), markov_rank=16, taps=[0, 1, 2])
+    copy_target_head(w, eng.model)
+    eng.drafter_path = str(write(tmp_path / "d", cfg, w))
+    eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    shapes: set = set()
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def record(q, k, v, **kw):
+        shapes.add((q.shape[0], q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    prompts = [PROMPT * 2, PROMPT * 3 + [4], PROMPT[:5] * 2]
+    mx.fast.scaled_dot_product_attention = record
+    try:
+        seen = []
+        warm_up(eng, ["lookup", "dspark"], 3, lambda d, t, s: seen.append((d, t, s)), tokens=64)
+        assert seen[-1][0] == seen[-1][1] and any("3-row batch shapes" in s for _, _, s in seen)
+        warm = set(shapes)
+        shapes.clear()
+        for mode in ("dspark", "lookup"):
+            got = generate_batch(eng, prompts, max_batch=3, mode=mode, max_new_tokens=24, max_draft=5)
+            assert max(r.batch_width for r in got) == 3
+    finally:
+        mx.fast.scaled_dot_product_attention = sdpa
+    batched = {s for s in shapes if s[0] > 1 and 1 < s[1] <= 8}
+    assert batched and batched <= warm, sorted(batched - warm)
+    assert {k for _, _, k in batched} <= {16, 32, 48, 64}

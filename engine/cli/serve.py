@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                           allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
                           max_batch=args.max_batch, max_queue=args.max_queue,
                           allow_image_urls=args.allow_image_urls, thinking=False if args.no_thinking else None)
-    server = TandemServer(lambda: warm_up(load_engine(args), [args.mode]), args.host, args.port, api_key, config)
+    server = TandemServer(lambda: warm_up(load_engine(args), [args.mode], args.max_batch), args.host, args.port, api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C
         raise KeyboardInterrupt()

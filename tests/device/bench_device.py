@@ -247,10 +247,13 @@ def concurrent_part(args, dtype: str, deadline: float) -> dict:
     ``--draft``; arms lookup, draft; without ``--draft`` lookup only), each at ``--caps``,
     batched against one after another."""
     from engine.api import load
-    from engine.concurrent_bench import format_concurrent, run_concurrent
-    from engine.prompts import load_prompts
+    from engine.concurrent_bench import AGENT, agent_prompts, format_concurrent, run_concurrent
+    from engine.prompts import CLASSES, load_prompts, load_spec_bench
 
-    prompts = load_prompts(["chat", "code", "math"], max(args.prompts_per_class, args.concurrent))
+    wanted, per = args.classes.split(","), max(args.prompts_per_class, args.concurrent)
+    ours, spec = [c for c in wanted if c in CLASSES], [c for c in wanted if c not in CLASSES and c != AGENT]
+    prompts = ((load_prompts(ours, per) if ours else []) + (load_spec_bench(spec, per) if spec else [])
+               + (agent_prompts(args.concurrent) if AGENT in wanted else []))
     if args.target:  # without --draft the target alone (PARTS=coder stages only it): lookup's arm
         modes = ["lookup", "draft"] if args.draft else ["lookup"]
         eng = load(args.target, dtype=dtype, draft_model=args.draft)
@@ -385,6 +388,8 @@ def main() -> int:
     ap.add_argument("--caps", default="auto,0", help="starter arms' caps (0: the drafter's full block)")
     ap.add_argument("--caps-8b", default="auto,8")
     ap.add_argument("--concurrent", type=int, default=4, help="concurrent: requests at once")
+    ap.add_argument("--classes", default="chat,code,math",
+                    help="concurrent: prompt classes (chat, code, math; Spec-Bench's categories; agent)")
     ap.add_argument("--draft-caps", default="auto,4", help="pair: the draft model's caps")
     ap.add_argument("--oracle-accept", type=float, nargs="+", default=[0.9, 0.0])
     ap.add_argument("--budget", type=float, default=560.0, help="seconds this call may spend (parts skip past it)")
