@@ -63,6 +63,8 @@ class BatchRow:
     mode: str = ""
     resume: Resume | None = None
     on_prefill: Callable[[int, list], None] | None = None
+    on_start: Callable[["BatchRow"], None] | None = None  # at its first prefill chunk: may set resume, on_prefill, prefill_stops
+    on_prompt: Callable[["BatchRow"], None] | None = None  # once its prompt is in its caches (and drafter), if any was prefilled
     embeddings: Callable[[int, int], mx.array | None] | None = None  # an image prompt's (Target.prompt_embeddings)
     prefill_stops: Sequence[int] = ()  # prompt positions where a prefill chunk must end (prefix-cache marks)
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -199,6 +201,8 @@ class BatchLoop:
         target, stats = self.target, row.stats
         if row.cache is None:
             row.t_start = self.clock()
+            if row.on_start is not None:  # asked now, when the rows before it have prefilled
+                row.on_start(row)
             row.prefilled = row.resume.cached if row.resume is not None else 0
             row.cache = row.resume.cache if row.resume is not None else target.new_cache()
             stats.cache, stats.cached_tokens, stats.ids = row.cache, row.prefilled, list(row.prompt_ids)
@@ -231,6 +235,8 @@ class BatchLoop:
             else:
                 row.drafter.begin(row.prompt_ids, hidden)
             stats.drafter_ready = True
+        if row.on_prompt is not None and (row.resume is None or row.resume.cached < n):
+            row.on_prompt(row)  # the prompt's state, for a row beside it with the same opening
         row.t_start = row.t_last = self.clock()
         return self._emit(row, [stats.ids[-1]], 0, 0, 0, logprobs=row.sampler.logprobs(processed, [stats.ids[-1]]))
 

@@ -66,14 +66,12 @@ class Batcher:
         plan = self.engine.plan(prompt, **kwargs)
         if self.alone_reason and self.max_batch == 1 and plan.note is None:
             plan.note = f"runs alone: {self.alone_reason}"
-        out = RequestOutput(self.engine, plan, on_round=on_round)
-        prefix = out.prefix_plan
+        out = RequestOutput(self.engine, plan, on_round=on_round, look_up=False)  # looked up as it starts
         row = BatchRow(prompt_ids=plan.prompt_ids, sampler=plan.sampler, max_new_tokens=plan.max_new_tokens,
                        drafter=plan.drafter.fork() if plan.drafter is not None else None,
                        cap_policy=plan.cap_policy, eos_ids=out.eos, mode=plan.mode,
-                       resume=prefix.resume if prefix else None, on_prefill=prefix.on_prefill if prefix else None,
-                       embeddings=plan.embeddings,
-                       prefill_stops=out.prefill_stops, stats=out.stats)
+                       on_start=lambda row: _resume(out, row), on_prompt=lambda row: out.remember(row.drafter),
+                       embeddings=plan.embeddings, stats=out.stats)
         ticket = Ticket(out, row, on_chunk or _ignore, cancel, on_error)
         row.key = ticket
         self.tickets.append(ticket)
@@ -133,6 +131,17 @@ class Batcher:
         self.loop.remove(ticket.row)
         if ticket in self.tickets:
             self.tickets.remove(ticket)
+
+
+def _resume(out: RequestOutput, row: BatchRow) -> None:
+    """Where a row starts: the prefix cache asked now, not at submit, so a request that waited,
+    or arrived beside others with the same opening (an agent's system prompt and tools), restores
+    what the rows before it prefilled (``BatchRow.on_prompt`` keeps each prompt as it is done)."""
+    out.look_up()
+    prefix = out.prefix_plan
+    row.resume = prefix.resume if prefix else None
+    row.on_prefill = prefix.on_prefill if prefix else None
+    row.prefill_stops = out.prefill_stops
 
 
 def _ignore(chunk: Chunk) -> None:

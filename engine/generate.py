@@ -152,7 +152,7 @@ class RequestOutput:
     (``feed``); the single-sequence stream and the batch share it."""
 
     def __init__(self, engine: "Engine", plan: RequestPlan, *, on_round: Callable[[RoundEvent], None] | None = None,
-                 stats: DecodeStats | None = None):
+                 stats: DecodeStats | None = None, look_up: bool = True):
         self.engine, self.plan, self.on_round = engine, plan, on_round
         self.stats = stats if stats is not None else DecodeStats()
         self.eos = list(getattr(engine.tokenizer, "eos_token_ids", None) or [])
@@ -165,8 +165,18 @@ class RequestOutput:
         self.stopped = False
         self.batch_width = 1  # the most rows it shared a forward with (itself included)
         self.logprobs: list[TokenLogprob] | None = [] if plan.logprobs else None
+        self.prefix_plan = None
+        self.prefill_stops: Sequence[int] = ()
+        if look_up:
+            self.look_up()
+
+    def look_up(self) -> None:
+        """Find where the prompt resumes in the prefix cache (``prefix_plan``), and where its
+        prefill must pause for the cache's marks. A batch asks when the row starts prefilling,
+        so it finds what the rows before it prefilled."""
+        plan = self.plan
         store, boundary = plan.store, [plan.turn_boundary] if plan.turn_boundary else ()
-        self.prefix_plan = store.plan(engine.target, plan.drafter, plan.cache_key, boundary) if store is not None else None
+        self.prefix_plan = store.plan(self.engine.target, plan.drafter, plan.cache_key, boundary) if store is not None else None
         self.prefill_stops = self.prefix_plan.stops if self.prefix_plan is not None else ()
 
     def feed(self, new: list[int], event: RoundEvent) -> tuple[list[Chunk], bool]:
@@ -484,6 +494,10 @@ class Engine:
             prompt_ids = image.ids
         else:
             prompt_ids = self.encode(prompt, chat_template=chat_template, system=system, template_kwargs=template_kwargs)
+            vocab = self.target.vocab_size
+            outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+            if outside is not None:  # the embedding would read past its table: garbage, not an error
+                raise TandemError(f"the prompt has token id {outside}, outside the vocabulary (size {vocab})")
             if turn_boundary is None and prefix_cache and self.prefix_cache is not None:
                 turn_boundary = self._turn_boundary(prompt, prompt_ids, chat_template, system, template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)

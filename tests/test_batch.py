@@ -239,6 +239,35 @@ def test_generate_batch_api_and_results_order():
                                          for p in ["w5 w6 w7", "w9 w9 w9 w9", "w30"]]
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama-sliding", "qwen3_5"])
+def test_requests_arriving_together_with_one_opening_prefill_it_once(arch):
+    """Three requests submitted at once that share a long opening (an agent's system prompt and
+    tools): the first prefills it and keeps its prompt in the prefix cache as soon as it is done;
+    the others look the cache up as they start, after it, and restore the opening instead of
+    prefilling it again, where their caches can be cut back to it (full attention). Every answer
+    is the one it gets alone."""
+    eng = make_engine(arch)
+    opening = list(range(10, 50))
+    prompts = [opening + [5, 6, 7], opening + [8, 9], opening + [10, 11, 12, 13]]
+    kw = dict(mode="lookup", max_new_tokens=12, max_draft=3)
+    solo = [alone(eng, p, **kw) for p in prompts]
+    eng.clear_prefix_cache()
+    batcher = Batcher(eng, 3)
+    tickets = [batcher.submit(p, **kw) for p in prompts]
+    batcher.run()
+    assert [t.result.token_ids for t in tickets] == [r.token_ids for r in solo]
+    assert max(t.result.batch_width for t in tickets) == 3
+    cached = [t.result.cached_tokens for t in tickets]
+    assert cached[0] == 0
+    if arch == "llama":
+        assert cached[1:] == [len(opening)] * 2
+    # Each kept its prompt, then its whole sequence, in one entry: a repeat restores all of it.
+    again = Batcher(eng, 3)
+    repeat = again.submit(prompts[2], **kw)
+    again.run()
+    assert repeat.result.token_ids == solo[2].token_ids and repeat.result.cached_tokens >= len(prompts[2]) - 1
+
+
 # ----------------------------------------------------------------------------------------
 # The server with --max-batch
 # ----------------------------------------------------------------------------------------

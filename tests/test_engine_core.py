@@ -176,6 +176,10 @@ def test_bad_input_is_one_line_error(tiny_llama):
         tiny_llama.generate([3, 4], mode="draft")
     with pytest.raises(TandemError, match="top_p"):
         tiny_llama.generate([3, 4], temperature=1.0, top_p=0.0)
+    vocab = tiny_llama.target.vocab_size  # an id past the embedding table would read garbage, not fail
+    for outside in (vocab, -1):
+        with pytest.raises(TandemError, match=f"token id {outside}, outside the vocabulary"):
+            tiny_llama.generate([3, outside, 4], mode="baseline")
 
 
 def test_draft_model_with_other_tokenizer_is_refused():
