@@ -60,32 +60,42 @@ def _summary(tokens: int, wall: float, latency: list[float], ttft: list[float]) 
             "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p95_s": _percentile(ttft, 0.95)}
 
 
-def _kwargs(arm: Arm, max_new_tokens: int) -> dict:
-    return dict(mode=arm.mode, max_new_tokens=max_new_tokens, prefix_cache=False,
+def _kwargs(arm: Arm, max_new_tokens: int, prefix_cache: bool) -> dict:
+    return dict(mode=arm.mode, max_new_tokens=max_new_tokens, prefix_cache=prefix_cache,
                 max_draft=None if arm.mode == "baseline" else arm.cap)
 
 
-def run_sequential(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int,
-                   arrival_s: float) -> tuple[dict, list["GenerationResult"]]:
+def _forget(engine: "Engine", prefix_cache: bool) -> None:
+    """Nothing of an earlier pass helps this one: the suffix index emptied, and the prefix cache
+    where requests use it (``shared_prefix``: they share only with each other)."""
     forget_earlier_requests(engine)
+    if prefix_cache:
+        engine.clear_prefix_cache()
+
+
+def run_sequential(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int,
+                   arrival_s: float, prefix_cache: bool = False) -> tuple[dict, list["GenerationResult"]]:
+    _forget(engine, prefix_cache)
     results, latency, ttft = [], [], []
     t0 = time.perf_counter()
     for i, ids in enumerate(group):
         arrive = t0 + i * arrival_s
         time.sleep(max(0.0, arrive - time.perf_counter()))
-        r = engine.generate(ids, **_kwargs(arm, max_new_tokens))
+        r = engine.generate(ids, **_kwargs(arm, max_new_tokens, prefix_cache))
         end = time.perf_counter()
         results.append(r)
         latency.append(end - arrive)
         ttft.append(end - arrive - r.decode_s)  # waiting + prefill: the first token comes with prefill
-    return _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft), results
+    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
+    summary["cached_tokens"] = sum(r.cached_tokens for r in results)
+    return summary, results
 
 
 def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_tokens: int, arrival_s: float,
-                width: int) -> tuple[dict, list["GenerationResult"]]:
+                width: int, prefix_cache: bool = False) -> tuple[dict, list["GenerationResult"]]:
     from engine.batching import Batcher
 
-    forget_earlier_requests(engine)
+    _forget(engine, prefix_cache)
     batcher = Batcher(engine, width)
     tickets: list[Any] = [None] * len(group)
     arrived: list[float] = [0.0] * len(group)
@@ -106,7 +116,7 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
                 if chunk.result is not None:
                     ended[i] = time.perf_counter()
 
-            tickets[i] = batcher.submit(group[i], on_chunk=on_chunk, **_kwargs(arm, max_new_tokens))
+            tickets[i] = batcher.submit(group[i], on_chunk=on_chunk, **_kwargs(arm, max_new_tokens, prefix_cache))
         if batcher.busy:
             t_tick = time.perf_counter()
             batcher.step()
@@ -119,6 +129,7 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
     ttft = [(f or e) - a for f, e, a in zip(first, ended, arrived)]
     summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
     summary["batch_width"] = max(r.batch_width for r in results)
+    summary["cached_tokens"] = sum(r.cached_tokens for r in results)
     summary["round_p50_s"] = _percentile(ticks, 0.5)
     summary["ttft_s"] = ttft
     return summary, results
@@ -134,10 +145,12 @@ def late_arrival(sequential: list["GenerationResult"], batched: dict) -> dict:
 
 
 def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Sequence[Arm], *, concurrent: int,
-                   arrival_ms: float = 0.0, max_new_tokens: int = 128, trials: int = 1,
+                   arrival_ms: float = 0.0, max_new_tokens: int = 128, trials: int = 1, shared_prefix: bool = False,
                    progress: Callable[[int, int, str], None] | None = None) -> dict:
     """The report (JSON-ready): per arm and class, sequential vs batched figures (best of
-    ``trials`` by wall time), with the lossless check of every batched answer."""
+    ``trials`` by wall time), with the lossless check of every batched answer. ``shared_prefix``:
+    requests use the prefix cache, emptied before each pass (a later request restores what an
+    earlier one, or in a batch the rows before it, prefilled); else none does."""
     if concurrent < 1 or trials < 1 or max_new_tokens < 2:
         raise TandemError("--concurrent and --trials must be at least 1 and --max-new-tokens at least 2")
     arms = list(arms)
@@ -170,9 +183,11 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
             for _ in range(trials):
                 for way in ("sequential", "batched"):
                     if way == "sequential":
-                        summary, results = run_sequential(engine, groups[cls], arm, max_new_tokens, arrival_s)
+                        summary, results = run_sequential(engine, groups[cls], arm, max_new_tokens, arrival_s,
+                                                          shared_prefix)
                     else:
-                        summary, results = run_batched(engine, groups[cls], arm, max_new_tokens, arrival_s, concurrent)
+                        summary, results = run_batched(engine, groups[cls], arm, max_new_tokens, arrival_s, concurrent,
+                                                       shared_prefix)
                     if way not in best or summary["wall_s"] < best[way][0]["wall_s"]:
                         best[way] = (summary, results)
                     tick(f"{arm.name} {cls} {way} {summary['tok_s']:.1f} tok/s")
@@ -194,6 +209,7 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
         entry["vs_batched_baseline"] = {c: v["batched"]["tok_s"] / base["classes"][c]["batched"]["tok_s"]
                                         for c, v in entry["classes"].items()}
     return {**stamp(engine), "concurrent": concurrent, "arrival_ms": arrival_ms, "trials": trials,
+            "shared_prefix": shared_prefix,
             "max_new_tokens": max_new_tokens, "classes": classes, "arms": report_arms,
             "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences}
 
@@ -216,6 +232,10 @@ def format_concurrent(report: dict) -> str:
         lines.append("last arrival's first token (its prefill alone + 2 rounds): " + ", ".join(
             f"{name} {cls} {x['ttft_s']:.2f}s ({x['prefill_alone_s']:.2f}+2x{x['round_p50_s']:.3f}s: "
             f"{'ok' if x['within_prefill_plus_two_rounds'] else 'late'})" for name, cls, x in late))
+    if report.get("shared_prefix"):
+        lines.append("prompt tokens restored from the prefix cache, one after another / batched: " + ", ".join(
+            f"{name} {cls} {c['sequential']['cached_tokens']} / {c['batched']['cached_tokens']}"
+            for name, arm in report["arms"].items() for cls, c in arm["classes"].items()))
     lines.append("lossless: " + ("yes" if report["lossless"] else "NO: " + "; ".join(
         f"{d['arm']} {d['cls']}#{d['prompt']}" for d in report["divergences"] if not d["near_tie"])))
     return "\n".join(lines)

@@ -417,6 +417,25 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
     assert "lookup@auto" in format_concurrent(report)
 
 
+def test_concurrent_benchmark_with_a_shared_prefix_restores_it_both_ways():
+    """--shared-prefix: one after another, a request restores the opening from the one before; batched,
+    from the row that prefilled it first. Both passes restore the same tokens, and nothing leaks
+    from one pass into the next (the cache is emptied before each)."""
+    from engine.benchmark import Arm
+    from engine.concurrent_bench import format_concurrent, run_concurrent
+
+    eng = make_engine("llama", seed=2)
+    opening = list(range(10, 40))
+    prompts = [("agent", opening + tail) for tail in ([5, 6], [7], [8, 9, 10])]
+    for shared in (True, False):
+        report = run_concurrent(eng, prompts, [Arm("baseline")], concurrent=3, max_new_tokens=8, trials=2,
+                                shared_prefix=shared)
+        c = report["arms"]["baseline"]["classes"]["agent"]
+        assert report["lossless"] and c["batched"]["batch_width"] == 3
+        assert c["sequential"]["cached_tokens"] == c["batched"]["cached_tokens"] == (2 * len(opening) if shared else 0)
+        assert ("restored from the prefix cache" in format_concurrent(report)) == shared
+
+
 def test_a_drafter_tapping_other_layers_waits_and_says_so(tmp_path):
     from tests.test_block_drafters import write_dspark
 

@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(aggregate tok/s, p50/p95 latency and time to first token)")
     p.add_argument("--arrival-ms", type=float, default=0.0, metavar="MS",
                    help="with --concurrent: request i arrives i*MS after the first (default: all at once)")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="with --concurrent: requests use the prefix cache, emptied before each pass, so a request "
+                        "restores what the requests before it (batched: the rows before it) prefilled of a common "
+                        "opening (agent requests share their system prompt and conversation)")
     p.add_argument("--multi-turn", action="store_true",
                    help="measure the prefix cache: later turns of mt-bench conversations (--prompts-per-class of them), "
                         "time to first token with the earlier turns restored vs prefilled from token 0, per mode")
@@ -125,7 +129,8 @@ def _concurrent(args: argparse.Namespace, eng: Any, prompts: list, arms: list) -
     progress, close = tqdm_progress(f"concurrent {eng.name}")
     try:
         report = run_concurrent(eng, prompts, arms, concurrent=args.concurrent, arrival_ms=args.arrival_ms,
-                                max_new_tokens=args.max_new_tokens, trials=args.trials, progress=progress)
+                                max_new_tokens=args.max_new_tokens, trials=args.trials,
+                                shared_prefix=args.shared_prefix, progress=progress)
     finally:
         close()
     print(format_concurrent(report))
