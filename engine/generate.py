@@ -19,7 +19,7 @@ from engine.drafters.base import Drafter
 from engine.drafters.suffix import SuffixIndex
 from engine.errors import TandemError
 from engine.prefix_cache import PrefixCache, fingerprint
-from engine.prefix_cache import turn_boundary as prefix_turn_boundary
+from engine.prefix_cache import boundaries as prefix_boundaries
 from engine.processors import LogitsProcessor, Processing, TokenLogprob
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import CapPolicy, DecodeStats, FixedCap, RoundEvent, decode
@@ -129,7 +129,7 @@ class RequestPlan:
     stop: tuple[str, ...] = ()
     store: PrefixCache | None = None  # the prefix cache to restore from and keep into
     image: Any = None  # engine.vision.ImagePrompt: its embeddings enter the prefill; keyed by its images
-    turn_boundary: int | None = None  # prompt tokens the next turn of this chat shares (a snapshot there)
+    boundaries: tuple[int, ...] = ()  # where later prompts likely depart (its opening's end, its next turn): snapshots there
     logprobs: bool = False  # the request asked for logprobs (the sampler computes them)
     history: SuffixIndex | None = None  # the index of earlier requests this one adds to (its API key's)
     history_scope: str | None = None  # whose index that is (None: the process's)
@@ -175,8 +175,8 @@ class RequestOutput:
         prefill must pause for the cache's marks. A batch asks when the row starts prefilling,
         so it finds what the rows before it prefilled."""
         plan = self.plan
-        store, boundary = plan.store, [plan.turn_boundary] if plan.turn_boundary else ()
-        self.prefix_plan = store.plan(self.engine.target, plan.drafter, plan.cache_key, boundary) if store is not None else None
+        store = plan.store
+        self.prefix_plan = store.plan(self.engine.target, plan.drafter, plan.cache_key, plan.boundaries) if store is not None else None
         self.prefill_stops = self.prefix_plan.stops if self.prefix_plan is not None else ()
 
     def feed(self, new: list[int], event: RoundEvent) -> tuple[list[Chunk], bool]:
@@ -372,19 +372,20 @@ class Engine:
             return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs))
         return [int(t) for t in prompt]
 
-    def _turn_boundary(self, prompt: Prompt, prompt_ids: list[int], chat_template: bool, system: str | None,
-                       template_kwargs: Mapping[str, Any] | None) -> int | None:
-        """For a chat prompt (messages, or text through the template): where its next turn departs."""
+    def _boundaries(self, prompt: Prompt, prompt_ids: list[int], chat_template: bool, system: str | None,
+                    template_kwargs: Mapping[str, Any] | None) -> list[int]:
+        """For a chat prompt (messages, or text through the template): where its opening ends and
+        where its next turn departs."""
         if not chat_template or not getattr(self.tokenizer, "chat_template", None):
-            return None
+            return []
         if isinstance(prompt, str):
             messages = _one_turn(prompt, system)
         elif prompt and isinstance(prompt[0], dict):
             messages = list(prompt)
         else:
-            return None
+            return []
         kwargs = dict(template_kwargs or {})
-        return prefix_turn_boundary(
+        return prefix_boundaries(
             lambda m: self.tokenizer.apply_chat_template(m, add_generation_prompt=False, **kwargs), messages, prompt_ids)
 
     # -- drafters ---------------------------------------------------------------------------
@@ -466,7 +467,7 @@ class Engine:
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
-        turn_boundary: int | None = None,
+        boundaries: Sequence[int] | None = None,
         history_scope: str | None = None,
     ) -> "RequestPlan":
         """Resolve a request once into what decoding it takes: the prompt's ids, the mode, the
@@ -479,8 +480,9 @@ class Engine:
         replaces ``prompt``. Penalties and ``logit_bias`` change the distribution sampled from
         (speculation stays on and lossless); ``logprobs``: None, or how many top alternatives to
         report with each token's logprob (0..20) in ``Chunk.logprobs`` / ``GenerationResult.logprobs``.
-        Their definitions: ``engine/processors.py``. ``turn_boundary``: how many prompt tokens the
-        next turn of this chat will share (``prefix_cache.turn_boundary``; found here for messages).
+        Their definitions: ``engine/processors.py``. ``boundaries``: prompt positions later prompts
+        will likely depart at (``prefix_cache.boundaries``: the chat's opening, its next turn; found
+        here for messages).
         ``history_scope``: whose earlier requests lookup may draft from (``history``: an API key's)."""
         if max_new_tokens is None or max_new_tokens < 1:
             raise TandemError(f"max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -498,8 +500,8 @@ class Engine:
             outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
             if outside is not None:  # the embedding would read past its table: garbage, not an error
                 raise TandemError(f"the prompt has token id {outside}, outside the vocabulary (size {vocab})")
-            if turn_boundary is None and prefix_cache and self.prefix_cache is not None:
-                turn_boundary = self._turn_boundary(prompt, prompt_ids, chat_template, system, template_kwargs)
+            if boundaries is None and prefix_cache and self.prefix_cache is not None:
+                boundaries = self._boundaries(prompt, prompt_ids, chat_template, system, template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode) if requested != "auto" else self._auto_drafter(mode)
@@ -525,7 +527,7 @@ class Engine:
         return RequestPlan(prompt_ids=prompt_ids, mode=mode, drafter=drafter, sampler=sampler,
                            cap_policy=cap_policy, cap_label=cap_label, note=note, max_new_tokens=max_new_tokens,
                            stop=tuple(stop), store=self.prefix_cache if prefix_cache else None, image=image,
-                           turn_boundary=turn_boundary, logprobs=processing.logprobs is not None, history=history,
+                           boundaries=tuple(boundaries or ()), logprobs=processing.logprobs is not None, history=history,
                            history_scope=history_scope)
 
     def stream(

@@ -195,7 +195,7 @@ class Plan:
     source: Entry | None = None
     marks: dict[int, dict[int, Any]] = field(default_factory=dict)
     mark: bool = False  # some cache cannot be cut back: take marks
-    keep: list[int] = field(default_factory=list)  # more positions to mark (a chat's turn boundary)
+    keep: list[int] = field(default_factory=list)  # more positions to mark (a chat's opening and turn boundary)
 
     @property
     def stops(self) -> list[int]:
@@ -225,8 +225,32 @@ def turn_boundary(render: Callable[[list[dict]], Sequence[int]], messages: Seque
     block. A cache that cannot be cut back is restorable only where a snapshot was taken; one
     here (``PrefixCache.plan(keep=...)``) lets the next turn restore all of it instead of falling
     back to an earlier snapshot (the peer's 2-4 token miss at the boundary, costing the turn)."""
+    return _shared(render, [*messages, *NEXT_TURN], prompt_ids)
+
+
+def opening_end(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],
+                prompt_ids: Sequence[int]) -> int | None:
+    """How many tokens of this chat prompt its opening takes: the system message, with whatever a
+    template renders beside it (tools), as another conversation that opens the same way renders it
+    (an agent's sub-agents and side requests, a new chat with the same system prompt). A snapshot
+    there lets those restore all of it on a cache that cannot be cut back, not only up to the
+    last ``MARK_EVERY`` tokens."""
+    if len(messages) < 2 or messages[0].get("role") not in ("system", "developer"):
+        return None
+    return _shared(render, list(messages[:1]), prompt_ids)
+
+
+def boundaries(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],
+               prompt_ids: Sequence[int]) -> list[int]:
+    """The prompt positions later prompts will likely depart at (``PrefixCache.plan(keep=...)``):
+    the end of this chat's opening and where its next turn departs."""
+    found = (opening_end(render, messages, prompt_ids), turn_boundary(render, messages, prompt_ids))
+    return sorted({n for n in found if n is not None})
+
+
+def _shared(render: Callable[[list[dict]], Sequence[int]], messages: list[dict], prompt_ids: Sequence[int]) -> int | None:
     try:
-        ids = list(render([*messages, *NEXT_TURN]))
+        ids = list(render(messages))
     except Exception:  # a template that wants other turns (alternation rules...): no boundary
         return None
     n = caches.common_prefix(ids, prompt_ids)
@@ -295,7 +319,7 @@ class PrefixCache:
     # -- lookup and restore --------------------------------------------------------------
     def plan(self, target: Target, drafter: Drafter | None, prompt: Sequence[int], keep: Sequence[int] = ()) -> Plan:
         """Find the longest stored prefix of ``prompt`` and restore it (``plan.resume``; None: none).
-        ``keep``: prompt positions a later prompt will likely branch off at (``turn_boundary``)."""
+        ``keep``: prompt positions a later prompt will likely branch off at (``boundaries``)."""
         self._bind(target)
         prompt = list(prompt)
         key = self.drafter_key(drafter)

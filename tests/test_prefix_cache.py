@@ -366,6 +366,34 @@ def chat_engine(seed: int = 6) -> Engine:
     return Engine(make_tiny_model("llama", seed=seed, scale=4.0), tok, name="tiny-chat")
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "llama-sliding"])
+def test_conversations_that_open_alike_restore_the_whole_opening_where_caches_cannot_be_cut_back(arch):
+    """Two conversations with one system prompt (an agent's sub-agents, a new chat): the second
+    restores the whole opening, one after another and arriving together in a batch, on a
+    recurrent hybrid and a sliding window alike (a snapshot at the opening's end; before it, the
+    nearest snapshot was the prompt's start). Answers are those without the cache."""
+    from engine.batching import Batcher
+
+    tok = make_tokenizer()
+    tok._tokenizer.chat_template = CHAT_TEMPLATE
+    engine = Engine(make_tiny_model(arch, seed=6, scale=4.0), tok, name=f"tiny-chat-{arch}")
+    engine.suffix_index = None
+    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(10, 50))}
+    chats = [[system, {"role": "user", "content": "w60 w61"}], [system, {"role": "user", "content": "w70 w71 w72"}]]
+    opening = len(tok.apply_chat_template(chats[0][:1], add_generation_prompt=False))
+    kw = dict(mode="lookup", max_new_tokens=8)
+    solo = [engine.generate(c, prefix_cache=False, **kw).token_ids for c in chats]
+    engine.generate(chats[0], **kw)
+    again = engine.generate(chats[1], **kw)
+    assert again.cached_tokens == opening and again.token_ids == solo[1]
+    engine.clear_prefix_cache()
+    batcher = Batcher(engine, 2)
+    tickets = [batcher.submit(c, **kw) for c in chats]
+    batcher.run()
+    assert [t.result.token_ids for t in tickets] == solo
+    assert [t.result.cached_tokens for t in tickets] == [0, opening]
+
+
 def test_session_keeps_history_and_reuses_it():
     engine = chat_engine()
     chat = Session(engine, system="w5 w6 w7", mode="lookup", max_new_tokens=10)

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from engine.errors import TandemError
-from engine.prefix_cache import turn_boundary
+from engine.prefix_cache import boundaries
 from engine.processors import Processing
 from engine.serve import anthropic as anthropic_api
 from engine.serve import openai as openai_api
@@ -191,12 +191,12 @@ class Handler(RequestHandler):
         thinking = self.tandem.config.thinking
         return ({} if thinking is None else {"enable_thinking": thinking}) | spec.template_kwargs
 
-    def _turn_boundary(self, engine: Any, spec: GenSpec, ids: list[int]) -> int | None:
-        """Where the next turn of this chat departs from its prompt (the prefix cache keeps a state there)."""
+    def _boundaries(self, engine: Any, spec: GenSpec, ids: list[int]) -> list[int]:
+        """Where this chat's opening ends and its next turn departs (the prefix cache keeps states there)."""
         if spec.kind != "chat":
-            return None
+            return []
         kwargs, tok = self._template_kwargs(spec), self._tokenizer(engine)
-        return turn_boundary(lambda m: render_chat(tok, m, spec.tools, kwargs, add_generation_prompt=False)[1],
+        return boundaries(lambda m: render_chat(tok, m, spec.tools, kwargs, add_generation_prompt=False)[1],
                              spec.messages, ids)
 
     def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
@@ -218,7 +218,7 @@ class Handler(RequestHandler):
             top_p=cfg.top_p if spec.top_p is None else spec.top_p,
             top_k=cfg.top_k if spec.top_k is None else spec.top_k,
             seed=cfg.seed if spec.seed is None else spec.seed, stop=spec.stop,
-            turn_boundary=None if image is not None else self._turn_boundary(engine, spec, ids),
+            boundaries=[] if image is not None else self._boundaries(engine, spec, ids),
             history_scope=self.client_scope, **spec.processing())
         if image is not None:
             kwargs["image_prompt"] = image
