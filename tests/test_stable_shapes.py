@@ -155,7 +155,8 @@ def test_padded_verifies_are_lossless_and_use_ladder_widths_only(kind, tmp_path)
         assert all(kv.stable and kv.keys.shape[2] % 16 == 0 for kv in drafter._caches)
 
 
-def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
+def dspark_engine_under_policy(tmp_path):
+    """A tiny Qwen3 with a DSpark drafter under a small shape policy (16-row steps, widths to 8)."""
     from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
 
     eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
@@ -163,6 +164,11 @@ def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
     copy_target_head(w, eng.model)
     eng.drafter_path = str(write(tmp_path / "d", cfg, w))
     eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    return eng
+
+
+def test_after_the_warm_up_a_generation_meets_no_new_shape(tmp_path):
+    eng = dspark_engine_under_policy(tmp_path)
     shapes: set = set()
     forward = eng.target.forward
     sdpa = mx.fast.scaled_dot_product_attention
@@ -247,13 +253,8 @@ def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
     multi-row attention shapes (rows, query rows, key rows)."""
     from engine.api import generate_batch
     from engine.batching import warm_up
-    from tests.drafter_ckpt import target_config_of, dspark_checkpoint, copy_target_head, write
 
-    eng = make_tiny_engine("qwen3", seed=4, scale=4.0)
-    cfg, w = dspark_checkpoint(target_config_of(eng.model), markov_rank=16, taps=[0, 1, 2])
-    copy_target_head(w, eng.model)
-    eng.drafter_path = str(write(tmp_path / "d", cfg, w))
-    eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    eng = dspark_engine_under_policy(tmp_path)
     shapes: set = set()
     sdpa = mx.fast.scaled_dot_product_attention
 
