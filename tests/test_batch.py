@@ -314,6 +314,40 @@ def test_server_short_request_joining_long_ones_returns_first(batch_server):
     assert "tandem_batch_occupancy 0" in metrics and "tandem_queue_depth 0" in metrics
 
 
+def test_server_requests_sent_together_restore_their_common_opening(batch_server):
+    """Two completions with one 40-token opening, queued while the engine thread is held: the one
+    that starts second restores the opening that the first prefilled (usage reports it)."""
+    srv = batch_server
+    worker = srv.worker
+    hold = threading.Event()
+    original = worker.batcher.step
+
+    def held_step():
+        hold.wait(30)
+        original()
+
+    opening = " ".join(f"w{i}" for i in range(50, 90))
+    replies: list[dict] = []
+
+    def ask(tail: str) -> None:
+        status, _, body = _post(srv.url, {"prompt": f"{opening} {tail}", "max_tokens": 4, "tandem": {"mode": "baseline"}})
+        assert status == 200, body
+        replies.append(body)
+
+    worker.batcher.step = held_step
+    threads = [threading.Thread(target=ask, args=(tail,)) for tail in ("w5 w6", "w7")]
+    try:
+        for th in threads:
+            th.start()
+            time.sleep(0.2)
+    finally:
+        hold.set()
+        worker.batcher.step = original
+    for th in threads:
+        th.join(60)
+    assert sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies) == [0, 40]
+
+
 def test_server_full_queue_answers_503_with_retry_after(batch_server):
     srv = batch_server
     worker = srv.worker
