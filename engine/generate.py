@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from engine import modes
@@ -202,11 +202,13 @@ class RequestOutput:
         return [Chunk(text, new, event, logprobs=new_logprobs)], self.stopped
 
     def remember(self, drafter: Drafter | None) -> None:
-        """Keep what the target's caches hold for the prefix cache (after the last round)."""
+        """Keep what the target's caches hold for the prefix cache (after the last round, or in a
+        batch also once the prompt is in: the live ids are left as they are)."""
         if self.prefix_plan is not None:
-            key = self.plan.cache_key
-            self.stats.ids[: len(key)] = key
-            self.engine._remember(self.plan.store, self.prefix_plan, self.stats, drafter)
+            stats, key = self.stats, self.plan.cache_key
+            if key is not self.plan.prompt_ids:  # an image prompt: the cache keys its images, not its placeholders
+                stats = replace(stats, ids=list(key) + stats.ids[len(key):])
+            self.engine._remember(self.plan.store, self.prefix_plan, stats, drafter)
 
     def finish(self) -> Iterator[Chunk]:
         """The text held back by stop-string matching, then the result; writes the disk tier."""
@@ -497,8 +499,8 @@ class Engine:
         else:
             prompt_ids = self.encode(prompt, chat_template=chat_template, system=system, template_kwargs=template_kwargs)
             vocab = self.target.vocab_size
-            outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-            if outside is not None:  # the embedding would read past its table: garbage, not an error
+            if prompt_ids and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):  # the embedding would read
+                outside = next(t for t in prompt_ids if not 0 <= t < vocab)  # past its table: garbage, no error
                 raise TandemError(f"the prompt has token id {outside}, outside the vocabulary (size {vocab})")
             if boundaries is None and prefix_cache and self.prefix_cache is not None:
                 boundaries = self._boundaries(prompt, prompt_ids, chat_template, system, template_kwargs)

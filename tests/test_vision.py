@@ -354,10 +354,12 @@ def test_a_sliding_window_family_gemma3_is_lossless_with_images_and_restores_at_
     assert warm.cached_tokens > 0 and warm.token_ids == g3.generate(history, prefix_cache=False, **kw).token_ids
 
 
-@pytest.mark.parametrize("mode", ["lookup", "dspark"])
-def test_image_requests_batch_with_text_ones(vlm, image, mode, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode,cache", [("lookup", False), ("dspark", False), ("lookup", True)])
+def test_image_requests_batch_with_text_ones(vlm, image, mode, cache, tmp_path, monkeypatch):
     """Two image requests (different images) and a text one share each forward: each gets its
-    answer alone, the image rows prefilled with their own image's embeddings."""
+    answer alone, the image rows prefilled with their own image's embeddings. With the prefix
+    cache, each prompt is kept (keyed by its image) as soon as it is in, without touching the
+    row's own ids, and the same image request later restores it."""
     from engine.batching import Batcher
 
     from engine.drafters.lookup import LookupDrafter
@@ -369,8 +371,16 @@ def test_image_requests_batch_with_text_ones(vlm, image, mode, tmp_path, monkeyp
     other = decode_image(png_bytes(2))
     prompts = [ask(QUESTION, image), ask(QUESTION, other), "w9 w10 w11 w9 w10"]
     want = [vlm.generate(p, mode=mode, max_new_tokens=N, prefix_cache=False).token_ids for p in prompts]
+    if cache:
+        vlm.clear_prefix_cache()
     batcher = Batcher(vlm, 3)
-    tickets = [batcher.submit(p, mode=mode, max_new_tokens=N, prefix_cache=False) for p in prompts]
+    tickets = [batcher.submit(p, mode=mode, max_new_tokens=N, prefix_cache=cache) for p in prompts]
     batcher.run()
     assert [t.result.token_ids for t in tickets] == want and want[0] != want[1]
     assert max(t.result.batch_width for t in tickets) == 3
+    if cache:  # the other image restored nothing of the first's rows
+        assert tickets[1].result.cached_tokens < len(vlm.plan(prompts[1], max_new_tokens=N).prompt_ids) - 1
+        again = Batcher(vlm, 3)
+        repeat = again.submit(prompts[0], mode=mode, max_new_tokens=N)
+        again.run()
+        assert repeat.result.token_ids == want[0] and repeat.result.cached_tokens > 0
