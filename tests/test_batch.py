@@ -241,26 +241,27 @@ def test_generate_batch_api_and_results_order():
 
 @pytest.mark.parametrize("arch", ["llama", "llama-sliding", "qwen3_5"])
 def test_requests_arriving_together_with_one_opening_prefill_it_once(arch):
-    """Three requests submitted at once that share a long opening (an agent's system prompt and
+    """Requests submitted at once that share a long opening (an agent's system prompt and
     tools): the first prefills it and keeps its prompt in the prefix cache as soon as it is done;
     the others look the cache up as they start, after it, and restore the opening instead of
-    prefilling it again, where their caches can be cut back to it (full attention). Every answer
-    is the one it gets alone."""
+    prefilling it again, where their caches can be cut back to it (full attention). One that
+    repeats the first prompt exactly (a retry, another sample) restores all of it on every cache
+    family (a snapshot at the prompt's end). Every answer is the one it gets alone."""
     eng = make_engine(arch)
     opening = list(range(10, 50))
-    prompts = [opening + [5, 6, 7], opening + [8, 9], opening + [10, 11, 12, 13]]
+    prompts = [opening + [5, 6, 7], opening + [8, 9], opening + [10, 11, 12, 13], opening + [5, 6, 7]]
     kw = dict(mode="lookup", max_new_tokens=12, max_draft=3)
     solo = [alone(eng, p, **kw) for p in prompts]
     eng.clear_prefix_cache()
-    batcher = Batcher(eng, 3)
+    batcher = Batcher(eng, 4)
     tickets = [batcher.submit(p, **kw) for p in prompts]
     batcher.run()
     assert [t.result.token_ids for t in tickets] == [r.token_ids for r in solo]
-    assert max(t.result.batch_width for t in tickets) == 3
+    assert max(t.result.batch_width for t in tickets) == 4
     cached = [t.result.cached_tokens for t in tickets]
-    assert cached[0] == 0
+    assert cached[0] == 0 and cached[3] == len(prompts[0])
     if arch == "llama":
-        assert cached[1:] == [len(opening)] * 2
+        assert cached[1:3] == [len(opening)] * 2
     # Each kept its prompt, then its whole sequence, in one entry: a repeat restores all of it.
     again = Batcher(eng, 3)
     repeat = again.submit(prompts[2], **kw)
