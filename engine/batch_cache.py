@@ -31,7 +31,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from engine.caches import CacheError, Verify, leaves
 from engine.shapes import StableKVCache
-from engine.slot_kv import SlotKV
+from engine.slot_kv import SlotKV, row_offsets
 
 # StableKVCache (a shape policy's full attention) batches through the slot buffers only (engine/slot_kv.py)
 BATCHABLE = (KVCache, StableKVCache, RotatingKVCache, ArraysCache, SlotKV)
@@ -103,7 +103,7 @@ class RowBatch(_BaseCache):
 
     @property
     def offset(self) -> mx.array:
-        return mx.array([int(c.offset) for c in self.rows], dtype=mx.int32)
+        return row_offsets(tuple(int(c.offset) for c in self.rows))
 
     def make_mask(self, n: int, window_size: int | None = None, return_array: bool = False) -> mx.array:
         lengths = [fetched_length(c, n) for c in self.rows]

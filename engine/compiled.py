@@ -14,8 +14,9 @@ them once: the rope itself applied to a unit vector gives its own cos and sin, b
 (``1*cos - 0*sin``), and each layer then runs one compiled rotation, ``x*(cos, cos) +
 (x2, x1)*(-sin, sin)``, the fallback's products and sums in another order that IEEE makes exact
 (``a - b`` is ``a + (-b)``; sums commute). Computing the angles in every layer took ~2.5 ms of a
-starter step's ~37. Ropes over part of the head, interleaved ones and array offsets keep the
-per-layer compiled rope.
+starter step's ~37. A batch's forward passes each row's offset as one array, the same object in
+every layer (``slot_kv.row_offsets``), and gets each row's angles once the same way. Ropes over
+part of the head and interleaved ones keep the per-layer compiled rope.
 
 The modules are switched in place (their class becomes a subclass whose ``__call__`` takes the
 compiled path while the target's switch is on), so parameter names, taps and drafters that
@@ -49,17 +50,24 @@ class Switch:
         self._offsets = {}
         self._angles = {}
 
-    def rope_angles(self, rope: nn.RoPE, offset: int, rows: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """(cos, cos) and (-sin, sin) [rows, dims] at positions ``offset ..``, as ``rope`` computes
-        them for ``dtype`` (it rotates a unit vector: ``1*cos - 0*sin``, ``1*sin + 0*cos``)."""
-        key = (rope.dims, rope.base, rope.scale, offset, rows, dtype)
+    def rope_angles(self, rope: nn.RoPE, offset: int | mx.array, rows: int, dtype: mx.Dtype
+                    ) -> tuple[mx.array, mx.array]:
+        """(cos, cos) and (-sin, sin) at positions ``offset ..`` ([rows, dims]; per batch row,
+        [batch, 1, rows, dims], for an array of offsets), as ``rope`` computes them for ``dtype``
+        (it rotates a unit vector: ``1*cos - 0*sin``, ``1*sin + 0*cos``). An array is keyed by
+        identity (a batch's layers share one, ``slot_kv.row_offsets``), and held while keyed."""
+        per_row = isinstance(offset, mx.array)
+        key = (rope.dims, rope.base, rope.scale, id(offset) if per_row else offset, rows, dtype)
         if key not in self._angles:
-            half = rope.dims // 2
-            unit = mx.concatenate([mx.ones((1, 1, rows, half), dtype), mx.zeros((1, 1, rows, half), dtype)], axis=-1)
-            cos_sin = _rope(rope.dims, False, rope.base, rope.scale)(unit, self.offset(offset))[0, 0]
-            cos, sin = cos_sin[:, :half], cos_sin[:, half:]
-            self._angles[key] = (mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1))
-        return self._angles[key]
+            half, batch = rope.dims // 2, offset.size if per_row else 1
+            unit = mx.concatenate([mx.ones((batch, 1, rows, half), dtype), mx.zeros((batch, 1, rows, half), dtype)],
+                                  axis=-1)
+            cos_sin = _rope(rope.dims, False, rope.base, rope.scale)(unit, self.offset(offset))
+            if not per_row:
+                cos_sin = cos_sin[0, 0]
+            cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+            self._angles[key] = (mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1), offset)
+        return self._angles[key][:2]
 
     def offset(self, value: int | mx.array) -> mx.array:
         if isinstance(value, mx.array):
@@ -104,7 +112,8 @@ class CompiledRoPE(nn.RoPE):
         switch = self._tandem_switch
         if not switch.on:
             return super().__call__(x, offset)
-        if not self.traditional and self.dims == x.shape[-1] and isinstance(offset, int):
+        if not self.traditional and self.dims == x.shape[-1] and (
+                isinstance(offset, int) or (isinstance(offset, mx.array) and offset.ndim == 1 and offset.size == x.shape[0])):
             return _rotate_compiled(x, *switch.rope_angles(self, offset, x.shape[-2], x.dtype))
         return _rope(self.dims, self.traditional, self.base, self.scale)(x, switch.offset(offset))
 

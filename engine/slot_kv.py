@@ -25,6 +25,7 @@ additive mask, as ``StableKVCache`` does: shapes change once per step of columns
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -145,7 +146,7 @@ class SlotLayer(_BaseCache):
     # -- the batched forward ------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
-        return mx.array([s.offset for s in self.slots], dtype=mx.int32)
+        return row_offsets(tuple(s.offset for s in self.slots))
 
     def columns(self, end: int, n: int) -> int:
         """Key columns a forward of ``n`` rows per sequence attends over, its longest row ending
@@ -209,6 +210,14 @@ class SlotLayer(_BaseCache):
 
     def _capacity(self, n: int) -> int:
         return capacity(n + 1, self.step)
+
+
+@lru_cache(maxsize=8)
+def row_offsets(offsets: tuple[int, ...]) -> mx.array:
+    """A batched forward's per-row cache lengths as one int32 array, the same object for the same
+    lengths: every layer of the forward hands RoPE the same offsets, so its angles are computed
+    once (engine/compiled.py). Read only: nobody adds to a cache's offset array in place."""
+    return mx.array(offsets, dtype=mx.int32)
 
 
 def _room(x: mx.array, capacity: int) -> mx.array:

@@ -278,3 +278,51 @@ def test_skinny_library_builds_into_the_cache_and_can_be_turned_off(tmp_path):
     off = run_py(STATUS, TANDEM_CACHE_DIR=str(tmp_path), TANDEM_NO_SKINNY="1")
     assert off["skinny"] == "off: TANDEM_NO_SKINNY is set" and not off["active"] and off["value"] == 64.0
     assert off["state"] == "preloaded"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_batched_forward_computes_each_rows_rope_angles_once_bit_identically(arch):
+    """Rows of a batch at different lengths, in the batch's slot buffers and in a padded batch
+    view: the compiled forward computes each row's rope angles once for every layer (one offsets
+    array, ``slot_kv.row_offsets``) and still gives the plain forward's logits bit for bit."""
+    from engine.slot_kv import Slots
+
+    target = Target(make_tiny_model(arch, seed=5))
+    prompts = [[3, 9, 4, 17], [5, 6, 7, 8, 9, 10, 11], [20, 21]]
+
+    def forward(slotted: bool) -> mx.array:
+        row_caches, slots = [], Slots()
+        for p in prompts:
+            cache = target.new_cache()
+            target.prefill(p, cache)
+            if slotted:
+                slots.join(cache)
+            row_caches.append(cache)
+        logits, _ = target.forward_rows(mx.array([[12, 13]] * len(prompts), dtype=mx.uint32), row_caches)
+        mx.eval(logits)
+        return logits
+
+    made = []
+    angles = compiled.Switch.rope_angles
+
+    def counted(self, rope, offset, rows, dtype):
+        before = len(self._angles)
+        out = angles(self, rope, offset, rows, dtype)
+        if len(self._angles) > before:
+            made.append(isinstance(offset, mx.array))
+        return out
+
+    compiled.Switch.rope_angles = counted
+    try:
+        for slotted in (True, False):
+            made.clear()
+            fast = forward(slotted)
+            assert made.count(True) == 1  # the batched forward: one set of per-row angles for every layer
+            target.compiled_off = "off for the comparison"
+            try:
+                plain = forward(slotted)
+            finally:
+                target.compiled_off = ""
+            assert mx.array_equal(fast, plain).item(), mx.abs(fast - plain).max().item()
+    finally:
+        compiled.Switch.rope_angles = angles
