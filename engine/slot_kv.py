@@ -212,11 +212,13 @@ class SlotLayer(_BaseCache):
         return capacity(n + 1, self.step)
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=1)
 def row_offsets(offsets: tuple[int, ...]) -> mx.array:
     """A batched forward's per-row cache lengths as one int32 array, the same object for the same
     lengths: every layer of the forward hands RoPE the same offsets, so its angles are computed
-    once (engine/compiled.py). Read only: nobody adds to a cache's offset array in place."""
+    once (engine/compiled.py). Only the last one is kept: every forward commits at least a row,
+    so the next forward's lengths differ, and an array a model changed in place is never handed
+    to a later forward."""
     return mx.array(offsets, dtype=mx.int32)
 
 
