@@ -205,8 +205,9 @@ class RequestOutput:
         """Keep what the target's caches hold for the prefix cache (after the last round, or in a
         batch also once the prompt is in: the live ids are left as they are)."""
         if self.prefix_plan is not None:
-            stats, key = self.stats, self.plan.cache_key
-            if key is not self.plan.prompt_ids:  # an image prompt: the cache keys its images, not its placeholders
+            stats = self.stats
+            if self.plan.image is not None:  # the cache keys an image prompt by its images, not its placeholders
+                key = self.plan.cache_key
                 stats = replace(stats, ids=list(key) + stats.ids[len(key):])
             self.engine._remember(self.plan.store, self.prefix_plan, stats, drafter)
 
