@@ -10,9 +10,11 @@ Each group of N prompts (one group per class, so a class's figures are its own) 
 Each run starts with the engine's suffix index emptied (``forget_earlier_requests``): the same
 prompts run again and again, and lookup must not draft an answer from an earlier run of it.
 Reported per arm and class: aggregate tok/s (tokens / wall time from the first arrival to the
-last answer), per-request latency and time to first token (p50/p95, from arrival), batched /
-sequential, and batched speculation / batched baseline. Every batched answer is checked against
-the same request's sequential answer (greedy: equal, or different only at a proven near-tie).
+last answer), per-request latency and time to first token (p50/p95, from arrival), each request's
+stream rate once its first token is out (p50: what a reader sees, prefill left out), batched /
+sequential, and batched speculation / batched baseline (aggregate and stream rate). Every batched
+answer is checked against the same request's sequential answer (greedy: equal, or different only
+at a proven near-tie).
 """
 
 from __future__ import annotations
@@ -54,10 +56,16 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _summary(tokens: int, wall: float, latency: list[float], ttft: list[float]) -> dict:
+def _summary(tokens: int, wall: float, latency: list[float], ttft: list[float], streams: list[float]) -> dict:
+    """``streams``: each request's tokens after its first, per second after its first."""
     return {"tok_s": tokens / wall if wall > 0 else 0.0, "wall_s": wall, "tokens": tokens,
             "latency_p50_s": _percentile(latency, 0.5), "latency_p95_s": _percentile(latency, 0.95),
-            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p95_s": _percentile(ttft, 0.95)}
+            "ttft_p50_s": _percentile(ttft, 0.5), "ttft_p95_s": _percentile(ttft, 0.95),
+            "stream_tok_s_p50": _percentile(streams, 0.5)}
+
+
+def _stream_rate(generated: int, seconds: float) -> float:
+    return (generated - 1) / seconds if seconds > 0 and generated > 1 else 0.0
 
 
 def _kwargs(arm: Arm, max_new_tokens: int, prefix_cache: bool) -> dict:
@@ -86,7 +94,8 @@ def run_sequential(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_n
         results.append(r)
         latency.append(end - arrive)
         ttft.append(end - arrive - r.decode_s)  # waiting + prefill: the first token comes with prefill
-    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
+    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft,
+                       [_stream_rate(r.generated, r.decode_s) for r in results])
     summary["cached_tokens"] = sum(r.cached_tokens for r in results)
     return summary, results
 
@@ -127,7 +136,8 @@ def run_batched(engine: "Engine", group: Sequence[list[int]], arm: Arm, max_new_
     results = [t.result for t in tickets]
     latency = [e - a for e, a in zip(ended, arrived)]
     ttft = [(f or e) - a for f, e, a in zip(first, ended, arrived)]
-    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft)
+    streams = [_stream_rate(r.generated, e - (f or e)) for r, f, e in zip(results, first, ended)]
+    summary = _summary(sum(r.generated for r in results), time.perf_counter() - t0, latency, ttft, streams)
     summary["batch_width"] = max(r.batch_width for r in results)
     summary["cached_tokens"] = sum(r.cached_tokens for r in results)
     summary["round_p50_s"] = _percentile(ticks, 0.5)
@@ -208,10 +218,17 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
     for entry in report_arms.values():  # batched speculation against batched plain decoding
         entry["vs_batched_baseline"] = {c: v["batched"]["tok_s"] / base["classes"][c]["batched"]["tok_s"]
                                         for c, v in entry["classes"].items()}
+        entry["stream_vs_batched_baseline"] = {  # prefill left out: the decode speed-up a reader sees
+            c: _ratio(v["batched"]["stream_tok_s_p50"], base["classes"][c]["batched"]["stream_tok_s_p50"])
+            for c, v in entry["classes"].items()}
     return {**stamp(engine), "concurrent": concurrent, "arrival_ms": arrival_ms, "trials": trials,
             "shared_prefix": shared_prefix,
             "max_new_tokens": max_new_tokens, "classes": classes, "arms": report_arms,
             "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
 def format_concurrent(report: dict) -> str:
@@ -219,13 +236,14 @@ def format_concurrent(report: dict) -> str:
     lines = [f"{report['model']} on {report['device']} ({report['backend']}): {report['concurrent']} concurrent "
              f"requests, arrivals {report['arrival_ms']:g} ms apart, {report['max_new_tokens']} new tokens each",
              f"{'arm':<16}{'class':<{width}}{'seq tok/s':>10}{'batch tok/s':>12}{'x seq':>7}{'x batched base':>15}"
-             f"{'p50 lat':>9}{'p95 lat':>9}{'p95 ttft':>10}"]
+             f"{'p50 lat':>9}{'p95 lat':>9}{'p95 ttft':>10}{'p50 stream':>11}{'x base':>7}"]
     for name, arm in report["arms"].items():
         for cls, c in arm["classes"].items():
             seq, bat = c["sequential"], c["batched"]
             lines.append(f"{name:<16}{cls:<{width}}{seq['tok_s']:>10.1f}{bat['tok_s']:>12.1f}"
                          f"{c['batched_vs_sequential']:>7.2f}{arm['vs_batched_baseline'][cls]:>15.2f}"
-                         f"{bat['latency_p50_s']:>8.2f}s{bat['latency_p95_s']:>8.2f}s{bat['ttft_p95_s']:>9.2f}s")
+                         f"{bat['latency_p50_s']:>8.2f}s{bat['latency_p95_s']:>8.2f}s{bat['ttft_p95_s']:>9.2f}s"
+                         f"{bat['stream_tok_s_p50']:>11.1f}{arm['stream_vs_batched_baseline'][cls] or 0:>7.2f}")
     late = [(name, cls, c["late_arrival"]) for name, arm in report["arms"].items()
             for cls, c in arm["classes"].items() if "late_arrival" in c]
     if late:

@@ -445,11 +445,13 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
             assert c["batched"]["batch_width"] == 3 and c["batched"]["tokens"] == c["sequential"]["tokens"]
             assert c["batched"]["latency_p95_s"] >= c["batched"]["latency_p50_s"] > 0
             assert 0 < c["batched"]["ttft_p50_s"] <= c["batched"]["latency_p50_s"]
+            assert c["batched"]["stream_tok_s_p50"] > 0 and c["sequential"]["stream_tok_s_p50"] > 0
             late = c["late_arrival"]  # the last request joined the others mid-flight (5 ms apart)
             assert late["ttft_s"] == c["batched"]["ttft_s"][-1] > 0 and late["round_p50_s"] > 0
             assert isinstance(late["within_prefill_plus_two_rounds"], bool)
     assert report["arms"]["baseline"]["vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
-    assert "lookup@auto" in format_concurrent(report)
+    assert report["arms"]["baseline"]["stream_vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
+    assert "lookup@auto" in format_concurrent(report) and "p50 stream" in format_concurrent(report)
 
 
 def test_concurrent_benchmark_with_a_shared_prefix_restores_it_both_ways():
