@@ -215,6 +215,10 @@ class Plan:
 NEXT_TURN = [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
 
 
+OPENING_MIN = 32  # a template's own opening shorter than this is not worth a snapshot
+_PLACEHOLDERS = ("a", "b")  # two first user messages: the opening ends where their tokens part
+
+
 def turn_boundary(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],
                   prompt_ids: Sequence[int]) -> int | None:
     """How many tokens of this chat prompt the next turn's prompt will share: the common prefix of
@@ -234,10 +238,16 @@ def opening_end(render: Callable[[list[dict]], Sequence[int]], messages: Sequenc
     template renders beside it (tools), as another conversation that opens the same way renders it
     (an agent's sub-agents and side requests, a new chat with the same system prompt). A snapshot
     there lets those restore all of it on a cache that cannot be cut back, not only up to the
-    last ``MARK_EVERY`` tokens."""
-    if len(messages) < 2 or messages[0].get("role") not in ("system", "developer"):
-        return None
-    return _shared(render, list(messages[:1]), prompt_ids)
+    last ``MARK_EVERY`` tokens.
+
+    A conversation that opens with a user message still opens with what the template writes
+    before it: the tools a client sends, a default system prompt. That part is where two first
+    user messages part (rendered with two placeholders), kept when it is ``OPENING_MIN`` tokens
+    or more."""
+    if messages and messages[0].get("role") in ("system", "developer"):
+        return _shared(render, list(messages[:1]), prompt_ids) if len(messages) > 1 else None
+    ends = [_shared(render, [{"role": "user", "content": text}], prompt_ids) for text in _PLACEHOLDERS]
+    return None if None in ends or min(ends) < OPENING_MIN else min(ends)
 
 
 def boundaries(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],

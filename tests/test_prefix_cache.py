@@ -366,21 +366,32 @@ def chat_engine(seed: int = 6) -> Engine:
     return Engine(make_tiny_model("llama", seed=seed, scale=4.0), tok, name="tiny-chat")
 
 
+@pytest.mark.parametrize("opens_with", ["system", "template"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama-sliding"])
-def test_conversations_that_open_alike_restore_the_whole_opening_where_caches_cannot_be_cut_back(arch):
-    """Two conversations with one system prompt (an agent's sub-agents, a new chat): the second
-    restores the whole opening, one after another and arriving together in a batch, on a
-    recurrent hybrid and a sliding window alike (a snapshot at the opening's end; before it, the
-    nearest snapshot was the prompt's start). Answers are those without the cache."""
+def test_conversations_that_open_alike_restore_the_whole_opening_where_caches_cannot_be_cut_back(arch, opens_with):
+    """Two conversations with one system prompt (an agent's sub-agents, a new chat), or with none
+    but the long preamble a template writes before the first user message (tools, a default system
+    prompt): the second restores the whole opening, one after another and arriving together in a
+    batch, on a recurrent hybrid and a sliding window alike (a snapshot at the opening's end;
+    before it, the nearest snapshot was the prompt's start). Answers are those without the cache."""
     from engine.batching import Batcher
 
     tok = make_tokenizer()
-    tok._tokenizer.chat_template = CHAT_TEMPLATE
+    preamble = " ".join(f"w{i}" for i in range(10, 50))
+    tok._tokenizer.chat_template = CHAT_TEMPLATE if opens_with == "system" else (
+        "{% if messages[0].role != 'system' %}system " + preamble + " </s> {% endif %}" + CHAT_TEMPLATE)
     engine = Engine(make_tiny_model(arch, seed=6, scale=4.0), tok, name=f"tiny-chat-{arch}")
     engine.suffix_index = None
-    system = {"role": "system", "content": " ".join(f"w{i}" for i in range(10, 50))}
-    chats = [[system, {"role": "user", "content": "w60 w61"}], [system, {"role": "user", "content": "w70 w71 w72"}]]
-    opening = len(tok.apply_chat_template(chats[0][:1], add_generation_prompt=False))
+    firsts = [{"role": "user", "content": "w60 w61"}, {"role": "user", "content": "w70 w71 w72"}]
+    if opens_with == "system":
+        system = {"role": "system", "content": preamble}
+        chats = [[system, firsts[0]], [system, firsts[1]]]
+        opening = len(tok.apply_chat_template(chats[0][:1], add_generation_prompt=False))
+    else:
+        chats = [[firsts[0]], [firsts[1]]]
+        rendered = [tok.apply_chat_template(c, add_generation_prompt=False) for c in chats]
+        opening = next(i for i, (a, b) in enumerate(zip(*rendered)) if a != b)
+        assert opening > 40  # the preamble and the user role, up to the first message's words
     kw = dict(mode="lookup", max_new_tokens=8)
     solo = [engine.generate(c, prefix_cache=False, **kw).token_ids for c in chats]
     engine.generate(chats[0], **kw)
@@ -424,6 +435,33 @@ def test_multi_turn_benchmark(tmp_path):
     for arm in report["arms"].values():
         assert len(arm["runs"]) == 3 and all(r["cached_tokens"] > 0 and r["same"] for r in arm["runs"])
     assert report["lossless"] and "warm/cold" in format_multi_turn(report)
+
+
+def test_server_requests_with_tools_and_no_system_message_restore_the_tools_on_a_hybrid():
+    """An agent's side requests: the same tools, no system message, different first user
+    messages. On a recurrent hybrid the second restores everything the template writes before
+    the user's words (the tools block), from a snapshot where that opening ends."""
+    tool = {"type": "function", "function": {"name": "w7", "description": " ".join(f"w{i}" for i in range(10, 60)),
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+    def hybrid_engine() -> Engine:
+        tok = make_tokenizer()
+        tok._tokenizer.chat_template = ("{% if tools %}system {% for t in tools %}{{ t.function.name }} "
+                                        "{{ t.function.description }} {% endfor %}</s> {% endif %}" + CHAT_TEMPLATE)
+        return Engine(make_tiny_model("qwen3_5", seed=6, scale=4.0), tok, name="tiny-tools-hybrid")
+
+    srv = make_server(hybrid_engine, port=0, mode="baseline").start().wait_ready(60)
+    try:
+        oai = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        chats = [[{"role": "user", "content": "w70 w71"}], [{"role": "user", "content": "w80 w81 w82"}]]
+        replies = [oai.chat.completions.create(model="m", max_tokens=4, messages=c, tools=[tool]) for c in chats]
+        tok = srv.worker.engine.tokenizer
+        prompts = [render_chat(tok, c, [tool])[1] for c in chats]
+        opening = common_prefix(*prompts)
+        assert opening > 50  # the tools block and the user's role word
+        assert [r.usage.prompt_tokens_details.cached_tokens for r in replies] == [0, opening]
+    finally:
+        srv.stop()
 
 
 def test_server_reports_cached_tokens_in_both_dialects_to_concurrent_clients():
