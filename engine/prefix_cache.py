@@ -234,20 +234,25 @@ def turn_boundary(render: Callable[[list[dict]], Sequence[int]], messages: Seque
 
 def opening_end(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],
                 prompt_ids: Sequence[int]) -> int | None:
-    """How many tokens of this chat prompt its opening takes: the system message, with whatever a
-    template renders beside it (tools), as another conversation that opens the same way renders it
-    (an agent's sub-agents and side requests, a new chat with the same system prompt). A snapshot
+    """How many tokens of this chat prompt its opening takes: all that comes before the first
+    user message's words, as another conversation that opens the same way renders it (an
+    agent's sub-agents and side requests, a new chat with the same system prompt). A snapshot
     there lets those restore all of it on a cache that cannot be cut back, not only up to the
     last ``MARK_EVERY`` tokens.
 
-    A conversation that opens with a user message still opens with what the template writes
-    before it: the tools a client sends, a default system prompt. That part is where two first
-    user messages part (rendered with two placeholders), kept when it is ``OPENING_MIN`` tokens
-    or more."""
-    if messages and messages[0].get("role") in ("system", "developer"):
-        return _shared(render, list(messages[:1]), prompt_ids) if len(messages) > 1 else None
-    ends = [_shared(render, [{"role": "user", "content": text}], prompt_ids) for text in _PLACEHOLDERS]
-    return None if None in ends or min(ends) < OPENING_MIN else min(ends)
+    The opening is where two placeholder first messages part, after the same system (or
+    developer) message: it holds the system prompt with whatever the template renders beside it
+    (tools), also where the template folds the system prompt into the first user turn (Gemma 3).
+    Without a system message it is what the template writes on its own (the tools a client
+    sends, a default system prompt), kept when it is ``OPENING_MIN`` tokens or more."""
+    system = bool(messages) and messages[0].get("role") in ("system", "developer")
+    if system and len(messages) < 2:  # the system message alone: the whole prompt is its opening
+        return None
+    head = list(messages[:1]) if system else []
+    ends = [_shared(render, [*head, {"role": "user", "content": text}], prompt_ids) for text in _PLACEHOLDERS]
+    if None in ends or (not system and min(ends) < OPENING_MIN):
+        return None
+    return min(ends)
 
 
 def boundaries(render: Callable[[list[dict]], Sequence[int]], messages: Sequence[dict],

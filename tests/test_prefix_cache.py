@@ -366,32 +366,39 @@ def chat_engine(seed: int = 6) -> Engine:
     return Engine(make_tiny_model("llama", seed=seed, scale=4.0), tok, name="tiny-chat")
 
 
-@pytest.mark.parametrize("opens_with", ["system", "template"])
+FOLDING_TEMPLATE = (  # Gemma 3's way: the system prompt opens the first user turn
+    "{% if messages[0].role == 'system' %}{% set prefix = messages[0].content + ' w3 ' %}{% set rest = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set rest = messages %}{% endif %}"
+    "{% for m in rest %}{{ m.role }} {{ prefix if loop.first else '' }}{{ m.content }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}")
+
+
+@pytest.mark.parametrize("opens_with", ["system", "folded-system", "template"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "llama-sliding"])
 def test_conversations_that_open_alike_restore_the_whole_opening_where_caches_cannot_be_cut_back(arch, opens_with):
-    """Two conversations with one system prompt (an agent's sub-agents, a new chat), or with none
-    but the long preamble a template writes before the first user message (tools, a default system
-    prompt): the second restores the whole opening, one after another and arriving together in a
-    batch, on a recurrent hybrid and a sliding window alike (a snapshot at the opening's end;
-    before it, the nearest snapshot was the prompt's start). Answers are those without the cache."""
+    """Two conversations with one system prompt (an agent's sub-agents, a new chat; rendered on
+    its own or folded into the first user turn), or with none but the long preamble a template
+    writes before the first user message (tools, a default system prompt): the second restores
+    the whole opening, all that comes before the first user message's words, one after another
+    and arriving together in a batch, on a recurrent hybrid and a sliding window alike (a
+    snapshot at the opening's end; before it, the nearest snapshot was the prompt's start).
+    Answers are those without the cache."""
     from engine.batching import Batcher
 
     tok = make_tokenizer()
     preamble = " ".join(f"w{i}" for i in range(10, 50))
-    tok._tokenizer.chat_template = CHAT_TEMPLATE if opens_with == "system" else (
-        "{% if messages[0].role != 'system' %}system " + preamble + " </s> {% endif %}" + CHAT_TEMPLATE)
+    tok._tokenizer.chat_template = {
+        "system": CHAT_TEMPLATE, "folded-system": FOLDING_TEMPLATE,
+        "template": "{% if messages[0].role != 'system' %}system " + preamble + " </s> {% endif %}" + CHAT_TEMPLATE,
+    }[opens_with]
     engine = Engine(make_tiny_model(arch, seed=6, scale=4.0), tok, name=f"tiny-chat-{arch}")
     engine.suffix_index = None
     firsts = [{"role": "user", "content": "w60 w61"}, {"role": "user", "content": "w70 w71 w72"}]
-    if opens_with == "system":
-        system = {"role": "system", "content": preamble}
-        chats = [[system, firsts[0]], [system, firsts[1]]]
-        opening = len(tok.apply_chat_template(chats[0][:1], add_generation_prompt=False))
-    else:
-        chats = [[firsts[0]], [firsts[1]]]
-        rendered = [tok.apply_chat_template(c, add_generation_prompt=False) for c in chats]
-        opening = next(i for i, (a, b) in enumerate(zip(*rendered)) if a != b)
-        assert opening > 40  # the preamble and the user role, up to the first message's words
+    system = [] if opens_with == "template" else [{"role": "system", "content": preamble}]
+    chats = [system + [firsts[0]], system + [firsts[1]]]
+    rendered = [tok.apply_chat_template(c, add_generation_prompt=False) for c in chats]
+    opening = next(i for i, (a, b) in enumerate(zip(*rendered)) if a != b)
+    assert opening > 40  # the preamble and the user's role, up to the first message's words
     kw = dict(mode="lookup", max_new_tokens=8)
     solo = [engine.generate(c, prefix_cache=False, **kw).token_ids for c in chats]
     engine.generate(chats[0], **kw)
