@@ -5,6 +5,7 @@ rows are exact samples of the target; the server answers concurrent clients toge
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import http.client
 import json
@@ -290,6 +291,24 @@ def batch_server():
     srv.stop()
 
 
+@contextlib.contextmanager
+def engine_thread_held(worker):
+    """The server's engine thread pauses before its next tick until the block ends, so that
+    requests queue up meanwhile."""
+    hold, original = threading.Event(), worker.batcher.step
+
+    def held_step():
+        hold.wait(30)
+        original()
+
+    worker.batcher.step = held_step
+    try:
+        yield
+    finally:
+        hold.set()
+        worker.batcher.step = original
+
+
 def test_server_short_request_joining_long_ones_returns_first(batch_server):
     srv = batch_server
     done: dict[str, float] = {}
@@ -319,14 +338,6 @@ def test_server_requests_sent_together_restore_their_common_opening(batch_server
     """Two completions with one 40-token opening, queued while the engine thread is held: the one
     that starts second restores the opening that the first prefilled (usage reports it)."""
     srv = batch_server
-    worker = srv.worker
-    hold = threading.Event()
-    original = worker.batcher.step
-
-    def held_step():
-        hold.wait(30)
-        original()
-
     opening = " ".join(f"w{i}" for i in range(50, 90))
     replies: list[dict] = []
 
@@ -335,15 +346,11 @@ def test_server_requests_sent_together_restore_their_common_opening(batch_server
         assert status == 200, body
         replies.append(body)
 
-    worker.batcher.step = held_step
     threads = [threading.Thread(target=ask, args=(tail,)) for tail in ("w5 w6", "w7")]
-    try:
+    with engine_thread_held(srv.worker):
         for th in threads:
             th.start()
             time.sleep(0.2)
-    finally:
-        hold.set()
-        worker.batcher.step = original
     for th in threads:
         th.join(60)
     assert sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies) == [0, 40]
@@ -351,28 +358,18 @@ def test_server_requests_sent_together_restore_their_common_opening(batch_server
 
 def test_server_full_queue_answers_503_with_retry_after(batch_server):
     srv = batch_server
-    worker = srv.worker
-    hold = threading.Event()
-    original = worker.batcher.step
-
-    def held_step():  # the engine thread pauses so that requests pile up in the queue
-        hold.wait(30)
-        original()
-
-    worker.batcher.step = held_step
     threads, statuses = [], []
     try:
-        for i in range(6):  # one may be taken off the queue before the pause; four more fill it
-            th = threading.Thread(target=lambda i=i: statuses.append(
-                _post(srv.url, {"prompt": f"w{20 + i}", "max_tokens": 2})[0]))
-            th.start()
-            threads.append(th)
-            time.sleep(0.2)
-        status, headers, body = _post(srv.url, {"prompt": "w60", "max_tokens": 2})
-        assert status == 503 and headers.get("Retry-After") and "busy" in json.dumps(body)
+        with engine_thread_held(srv.worker):  # requests pile up in the queue
+            for i in range(6):  # one may be taken off the queue before the pause; four more fill it
+                th = threading.Thread(target=lambda i=i: statuses.append(
+                    _post(srv.url, {"prompt": f"w{20 + i}", "max_tokens": 2})[0]))
+                th.start()
+                threads.append(th)
+                time.sleep(0.2)
+            status, headers, body = _post(srv.url, {"prompt": "w60", "max_tokens": 2})
+            assert status == 503 and headers.get("Retry-After") and "busy" in json.dumps(body)
     finally:
-        hold.set()
-        worker.batcher.step = original
         for th in threads:
             th.join(60)
     assert statuses.count(200) >= 5 and set(statuses) <= {200, 503}

@@ -197,7 +197,7 @@ class Handler(RequestHandler):
             return []
         kwargs, tok = self._template_kwargs(spec), self._tokenizer(engine)
         return boundaries(lambda m: render_chat(tok, m, spec.tools, kwargs, add_generation_prompt=False)[1],
-                             spec.messages, ids)
+                          spec.messages, ids)
 
     def _generate(self, spec: GenSpec, writer: Any, dialect: Any) -> None:
         t0 = time.perf_counter()

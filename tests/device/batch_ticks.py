@@ -73,7 +73,7 @@ def main() -> int:
     out = []
     for cls in args.classes.split(","):
         group = [eng.encode(p) for _, p in load_prompts([cls], 4)]
-        for mode in args.arms.split(","):
+        for mode in modes:
             arm = Arm("baseline") if mode == "baseline" else Arm(mode, "auto")
             if args.warm == "run":
                 run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up (calibration, first shapes)
