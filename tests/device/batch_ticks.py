@@ -5,7 +5,12 @@ at 0.64x the batched baseline (h100-concurrent-starter-bfloat16-cuts.json), to s
 rounds speculated, were cut, or were slow for another reason.
 
     python3 tests/device/batch_ticks.py [--gguf STARTER.gguf] [--dtype bfloat16] --arms baseline,lookup
-        [--classes math] [--trials 2] [--max-new-tokens 128] [--warm run|batch|none] [--json OUT.json]
+        [--classes math] [--trials 2] [--max-new-tokens 128] [--warm run|batch|none] [--widths 4]
+        [--json OUT.json]
+
+An arm is a mode (at ``--max-draft auto``) or ``mode@cap`` (``lookup@16``: a fixed cap).
+``--widths 4,1`` runs each arm's four requests as one batch and then one at a time through the
+same loop, so a row's drafts and acceptance in the batch sit beside its own alone.
 
 --warm run (the default) runs each arm's batch once for 8 tokens before timing; batch runs
 ``engine.batching.warm_up`` (what ``tandem serve`` does at load) instead, and none nothing, so the
@@ -53,6 +58,11 @@ def instrument() -> list:
     return ticks
 
 
+def _cap(text: str) -> int | str:
+    """``lookup@16`` -> 16; ``lookup`` or ``lookup@auto`` -> "auto"."""
+    return int(text) if text.isdigit() else "auto"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=None)
@@ -62,43 +72,45 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--warm", choices=("run", "batch", "none"), default="run")
+    ap.add_argument("--widths", default="4", help="max batch of each run, e.g. 4,1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ticks = instrument()
     eng = load(args.gguf, dtype=args.dtype)
     eng.suffix_index = None
-    modes = args.arms.split(",")
+    arms = [Arm("baseline") if a == "baseline" else Arm(a.partition("@")[0], _cap(a.partition("@")[2]))
+            for a in args.arms.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
     if args.warm == "batch":
-        print(f"batch warm-up: {batching.warm_up(eng, modes, 4):.1f} s", flush=True)
+        print(f"batch warm-up: {batching.warm_up(eng, sorted({a.mode for a in arms}), 4):.1f} s", flush=True)
     out = []
     for cls in args.classes.split(","):
         group = [eng.encode(p) for _, p in load_prompts([cls], 4)]
-        for mode in modes:
-            arm = Arm("baseline") if mode == "baseline" else Arm(mode, "auto")
-            if args.warm == "run":
-                run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up (calibration, first shapes)
-            for trial in range(args.trials):
-                ticks.clear()
-                summary, results = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
-                kinds: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
-                for forwards, drafted, seconds in ticks:
-                    key = ",".join(f"{r}x{w}" for r, w in forwards) or "prefill"
-                    key += " drafted" if drafted else ""
-                    kinds[key][0] += 1
-                    kinds[key][1] += seconds
-                    kinds[key][2] = max(kinds[key][2], seconds)
-                rows = [{"drafted": sum(d for d, _ in r.rounds[1:]), "accepted": sum(a for _, a in r.rounds[1:]),
-                         "caps": dict(collections.Counter(r.caps))} for r in results]
-                entry = {"class": cls, "arm": arm.name, "trial": trial, "tok_s": round(summary["tok_s"], 1),
-                         "ticks": {k: {"n": n, "mean_ms": round(1000 * s / n, 2), "max_ms": round(1000 * m, 2)}
-                                   for k, (n, s, m) in kinds.items()},
-                         "rows": rows}
-                out.append(entry)
-                print(f"{cls} {arm.name} trial {trial}: {entry['tok_s']} tok/s", flush=True)
-                for k, v in sorted(entry["ticks"].items(), key=lambda kv: -kv[1]["n"] * kv[1]["mean_ms"]):
-                    print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms, max {v['max_ms']:.2f} ms")
-                for r in rows:
-                    print(f"   row: drafted {r['drafted']} accepted {r['accepted']} caps {r['caps']}")
+        for arm, width, trial in ((a, w, t) for a in arms for w in widths for t in range(args.trials)):
+            if args.warm == "run" and trial == 0:
+                run_batched(eng, group, arm, 8, 0.0, width)  # warm-up (calibration, first shapes)
+            ticks.clear()
+            summary, results = run_batched(eng, group, arm, args.max_new_tokens, 0.0, width)
+            kinds: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
+            for forwards, drafted, seconds in ticks:
+                key = ",".join(f"{r}x{w}" for r, w in forwards) or "prefill"
+                key += " drafted" if drafted else ""
+                kinds[key][0] += 1
+                kinds[key][1] += seconds
+                kinds[key][2] = max(kinds[key][2], seconds)
+            rows = [{"drafted": sum(d for d, _ in r.rounds[1:]), "accepted": sum(a for _, a in r.rounds[1:]),
+                     "caps": dict(collections.Counter(r.caps))} for r in results]
+            entry = {"class": cls, "arm": arm.name, "width": width, "trial": trial,
+                     "tok_s": round(summary["tok_s"], 1),
+                     "ticks": {k: {"n": n, "mean_ms": round(1000 * s / n, 2), "max_ms": round(1000 * m, 2)}
+                               for k, (n, s, m) in kinds.items()},
+                     "rows": rows}
+            out.append(entry)
+            print(f"{cls} {arm.name} max batch {width} trial {trial}: {entry['tok_s']} tok/s", flush=True)
+            for k, v in sorted(entry["ticks"].items(), key=lambda kv: -kv[1]["n"] * kv[1]["mean_ms"]):
+                print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms, max {v['max_ms']:.2f} ms")
+            for r in rows:
+                print(f"   row: drafted {r['drafted']} accepted {r['accepted']} caps {r['caps']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
