@@ -3,10 +3,13 @@
 ``decode`` (engine/speculative.py) runs one sequence; ``BatchLoop`` runs up to ``max_batch`` of
 them with the same rules per row. A tick is:
 
-1. **One prefill chunk** of the oldest sequence still prefilling (chunk boundaries where
-   ``Target.prefill`` puts them, ``prefill_bounds``, so a row's caches are what a
-   lone prefill leaves). Rows already decoding, and requests arriving, wait for one chunk at
-   most, never a whole prompt.
+1. **A prefill slice** of the oldest sequence still prefilling: one chunk (boundaries where
+   ``Target.prefill`` puts them, ``prefill_bounds``, so a row's caches are what a lone prefill
+   leaves), and more while they fit in ``PREFILL_SLICE_S``. Rows already decoding, and requests
+   arriving, wait for one chunk or the slice, whichever is longer, never a whole prompt. Where a
+   chunk takes longer than the slice (a CPU, a large model) that is one chunk a tick; where
+   chunks are quick (a GPU), a long prompt joins the batch in a few ticks instead of one round
+   per chunk, while the rows before it decode narrow.
 2. **One round for every decoding row** in one target forward: each row asks its own cap policy,
    its own drafter proposes (drafters run per row; their state is per row), and the verify carries
    each row's ``[anchor] + drafts``, padded to the widest with filler rows that are never
@@ -48,6 +51,9 @@ from engine.target import Target, prefill_bounds
 
 CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
 MAX_CUT_RUN = 64  # ... doubled at each cut to nothing in a row, up to this
+
+
+PREFILL_SLICE_S = 0.03  # a tick's prefill beyond its first chunk: what decoding rows may wait for a newcomer
 
 
 @dataclass(eq=False)  # a row is itself: membership tests compare identities
@@ -120,9 +126,11 @@ class _Flight:
 class BatchLoop:
     """Up to ``max_batch`` sequences decoding together on one target (one thread owns it)."""
 
-    def __init__(self, target: Target, *, max_batch: int = 4, clock: Callable[[], float] | None = None):
+    def __init__(self, target: Target, *, max_batch: int = 4, clock: Callable[[], float] | None = None,
+                 prefill_slice_s: float | None = None):
         self.target = target
         self.max_batch = max(1, int(max_batch))
+        self.prefill_slice_s = PREFILL_SLICE_S if prefill_slice_s is None else prefill_slice_s
         self.clock = clock or time.perf_counter
         self.rows: list[BatchRow] = []  # admitted: prefilling or decoding, in arrival order
         self.waiting: list[BatchRow] = []
@@ -182,8 +190,8 @@ class BatchLoop:
         round, which the next tick runs before any other chunk."""
         self.last_width = 0
         prefilling = [r for r in self.rows if not r.done and not r.decoding]
-        if prefilling and not self._round_owed:  # one chunk a tick: decoding rows wait one chunk at most
-            first = self._prefill_chunk(prefilling[0])
+        if prefilling and not self._round_owed:  # decoding rows wait one chunk or the slice at most
+            first = self._prefill_slice(prefilling[0])
             if first is not None:
                 if first.done:
                     self.remove(first.row)
@@ -196,6 +204,17 @@ class BatchLoop:
             if e.done:
                 self.remove(e.row)
         return out
+
+    def _prefill_slice(self, row: BatchRow) -> Emitted | None:
+        """``row``'s next chunk, and the ones after it while the next (timed as the last) still
+        ends within the slice; the row's first token once its prompt is in."""
+        start = self.clock()
+        while True:
+            began = self.clock()
+            first = self._prefill_chunk(row)  # synchronous: its caches are evaluated
+            now = self.clock()
+            if first is not None or (now - start) + (now - began) > self.prefill_slice_s:
+                return first
 
     def _prefill_chunk(self, row: BatchRow) -> Emitted | None:
         target, stats = self.target, row.stats

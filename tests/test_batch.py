@@ -20,6 +20,7 @@ import engine.api as api
 from engine.batch import BatchLoop, BatchRow
 from engine.batch_cache import batchable
 from engine.batching import Batcher
+from engine.target import PREFILL_CHUNK
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.sampling import Sampler, SamplingParams, target_probs
 from engine.serve.server import make_server
@@ -606,6 +607,28 @@ def test_a_joining_rows_first_token_goes_out_before_the_others_round():
     assert [w for _, w in ticks] == [0, 1, 0, 3, 3]
     assert ticks[0][0] == [second] and ticks[1][0] == [first] and ticks[2][0] == [third]
     assert set(ticks[3][0]) == {first, second, third}
+
+
+@pytest.mark.parametrize("slice_s, ticks_to_join", [(0.0, 3), (60.0, 1)])
+def test_a_long_prompt_joins_in_slices_of_chunks(slice_s, ticks_to_join):
+    """A newcomer's prompt of three chunks joins a decoding row one chunk a tick where each chunk
+    fills the slice (each tick's chunk followed by the decoding row's round, the last one alone),
+    and in one tick where all three fit. Either way both rows get their lone tokens."""
+    eng = make_engine("llama")
+    loop = BatchLoop(eng.target, max_batch=2, prefill_slice_s=slice_s)
+    first = loop.add(BatchRow(PROMPTS[0], Sampler(SamplingParams()), 40, cap_policy=FixedCap(0)))
+    loop.step(), loop.step()  # its prefill, its first round
+    long_prompt = [(7 * i) % 89 + 3 for i in range(2 * PREFILL_CHUNK + 40)]
+    second = loop.add(BatchRow(long_prompt, Sampler(SamplingParams()), 6, cap_policy=FixedCap(0)))
+    joining = []  # each tick's round width until the newcomer decodes
+    while not second.decoding:
+        loop.step()
+        joining.append(loop.last_width)
+    assert joining == [1] * (ticks_to_join - 1) + [0]
+    while loop.busy:
+        loop.step()
+    for row, prompt, n in ((first, PROMPTS[0], 40), (second, long_prompt, 6)):
+        assert row.stats.ids[len(prompt):] == alone(eng, prompt, mode="baseline", max_new_tokens=n).token_ids
 
 
 def test_suffix_drafts_from_earlier_requests_under_batching():
