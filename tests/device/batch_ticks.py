@@ -29,8 +29,8 @@ import engine.batching as batching
 from engine import batch
 from engine.api import load
 from engine.benchmark import Arm
-from engine.concurrent_bench import run_batched
-from engine.prompts import load_prompts
+from engine.concurrent_bench import AGENT, agent_prompts, run_batched
+from engine.prompts import CLASSES, load_prompts, load_spec_bench
 
 
 def instrument() -> list:
@@ -56,6 +56,13 @@ def instrument() -> list:
 
     batch.BatchLoop._verify, batch.BatchLoop._drafts, batching.Batcher.step = _verify, _drafts, _step
     return ticks
+
+
+def _prompts(cls: str) -> list:
+    """Four prompts of a class: chat/code/math, a Spec-Bench category, or the agent session's."""
+    if cls == AGENT:
+        return agent_prompts(4)
+    return load_prompts([cls], 4) if cls in CLASSES else load_spec_bench([cls], 4)
 
 
 def _cap(text: str) -> int | str:
@@ -85,7 +92,7 @@ def main() -> int:
         print(f"batch warm-up: {batching.warm_up(eng, sorted({a.mode for a in arms}), 4):.1f} s", flush=True)
     out = []
     for cls in args.classes.split(","):
-        group = [eng.encode(p) for _, p in load_prompts([cls], 4)]
+        group = [eng.encode(p) for _, p in _prompts(cls)]
         for arm, width, trial in ((a, w, t) for a in arms for w in widths for t in range(args.trials)):
             if args.warm == "run" and trial == 0:
                 run_batched(eng, group, arm, 8, 0.0, width)  # warm-up (calibration, first shapes)
