@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from engine.benchmark import Arm, check_lossless, forget_earlier_requests, stamp
 from engine.errors import TandemError
+from engine.warmup import WARM_TOKENS
 
 if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
@@ -177,10 +178,13 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
         if progress is not None:
             progress(done, total, label)
 
-    if engine.target.shapes is not None:  # every batch shape the arms will meet, compiled before any timing
+    # every batch shape the arms will meet, compiled before any timing: up to the longest context
+    # the run reaches (a serving process meets each once; the agent class's prompts pass 4k tokens)
+    warm_tokens = max([WARM_TOKENS] + [len(ids) + max_new_tokens + 1 for g in groups.values() for ids in g])
+    if engine.target.shapes is not None:
         from engine.batching import warm_up
 
-        warm_up(engine, list(dict.fromkeys(a.mode for a in arms)), concurrent)
+        warm_up(engine, list(dict.fromkeys(a.mode for a in arms)), concurrent, tokens=warm_tokens)
     for arm in arms:  # warm-up: first-call allocations, both paths
         run_batched(engine, [groups[classes[0]][0]] * 2, arm, 8, 0.0, 2)
         tick(f"warm-up {arm.name}")
@@ -222,7 +226,7 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
             c: _ratio(v["batched"]["stream_tok_s_p50"], base["classes"][c]["batched"]["stream_tok_s_p50"])
             for c, v in entry["classes"].items()}
     return {**stamp(engine), "concurrent": concurrent, "arrival_ms": arrival_ms, "trials": trials,
-            "shared_prefix": shared_prefix,
+            "shared_prefix": shared_prefix, "warm_tokens": warm_tokens if engine.target.shapes is not None else 0,
             "max_new_tokens": max_new_tokens, "classes": classes, "arms": report_arms,
             "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences}
 
