@@ -51,8 +51,6 @@ from engine.target import Target, prefill_bounds
 
 CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
 MAX_CUT_RUN = 64  # ... doubled at each cut to nothing in a row, up to this
-
-
 PREFILL_SLICE_S = 0.03  # a tick's prefill beyond its first chunk: what decoding rows may wait for a newcomer
 
 
