@@ -256,6 +256,7 @@ class Engine:
         self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
+        self.warmed: Any = None  # engine.warmup.Warmed: the shapes a warm-up compiled (a shape policy only)
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
         self.suffix_index: SuffixIndex | None = SuffixIndex()  # earlier prompts and outputs, for lookup drafts
         self.suffix_scopes: dict[str, SuffixIndex] = {}  # one index per API key (``history``)

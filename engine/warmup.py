@@ -17,7 +17,8 @@ Without it an H100 paid 40-64 ms ticks, against 7-9 ms, where a batch met a shap
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -25,10 +26,44 @@ from engine import caches
 from engine.drafters.block import CONTEXT_CHUNK
 from engine.protocols import EngineLike
 from engine.shapes import StableKVCache
+from engine.shapes import capacity as capacity_of
 from engine.slot_kv import Slots
 
 WARM_TOKENS = 4096  # context the shapes are prepared for (later capacities compile on first use)
 Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class Warmed:
+    """What ``warm_up`` prepared on an engine (``engine.warmed``), for ``shapes_past`` to go on from."""
+    modes: tuple[str, ...]
+    rows: int
+    tokens: int  # the largest KV capacity warmed
+
+
+@dataclass
+class _Plan:
+    """The shapes a warm-up runs at each capacity: the verify ladder's widths, the batch row counts,
+    and the drafters with shapes of their own."""
+    widths: list[int]
+    batches: list[int]
+    block_drafters: list = field(default_factory=list)
+    draft_models: list = field(default_factory=list)
+
+    def units(self) -> int:
+        """Steps of one capacity (``_capacity_shapes`` yields this many)."""
+        return len(self.widths) * (1 + len(self.batches)) + len(self.block_drafters) + len(self.draft_models)
+
+
+def _plan(engine: EngineLike, modes: Sequence[str], rows: int) -> _Plan:
+    target, policy = engine.target, engine.target.shapes
+    drafters = {m: engine.drafter(m) for m in modes if m != "baseline"}
+    widest = max([d.max_draft + 1 for d in drafters.values() if d is not None] + [1])
+    unique = list({id(d): d for d in drafters.values() if d is not None}.values())
+    return _Plan(widths=policy.ladder(widest) if policy else [],
+                 batches=list(range(2, rows + 1)) if policy and target.batch_blocker() is None else [],
+                 block_drafters=[d for d in unique if hasattr(getattr(d, "model_drafter", d), "reserve")],
+                 draft_models=[d for d in unique if hasattr(d, "warm_up")])  # a draft model's own pieces
 
 
 def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens: int = WARM_TOKENS,
@@ -38,18 +73,10 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
     took. ``generate(mode)`` runs a short generation of a mode (the Engine passes its own),
     ``generate_rows(mode, n)`` a short batch of ``n`` requests (engine/batching.py's)."""
     t0 = time.perf_counter()
-    target = engine.target
-    drafters = {m: engine.drafter(m) for m in modes if m != "baseline"}
-    policy = target.shapes
+    policy = engine.target.shapes
+    plan = _plan(engine, modes, rows)
     capacities = list(range(policy.step, max(tokens, policy.step) + 1, policy.step)) if policy else []
-    widest = max([d.max_draft + 1 for d in drafters.values() if d is not None] + [1])
-    widths = policy.ladder(widest) if policy else []
-    unique = list({id(d): d for d in drafters.values() if d is not None}.values())
-    block_drafters = [d for d in unique if hasattr(getattr(d, "model_drafter", d), "reserve")]
-    draft_models = [d for d in unique if hasattr(d, "warm_up")]  # a draft model's own pieces (drafters/draft_model.py)
-    batches = list(range(2, rows + 1)) if policy and target.batch_blocker() is None else []
-    total = (len(capacities) * (len(widths) * (1 + len(batches)) + len(block_drafters) + len(draft_models))
-             + len(modes) * (1 + (len(batches) if generate_rows is not None else 0)))
+    total = len(capacities) * plan.units() + len(modes) * (1 + (len(plan.batches) if generate_rows is not None else 0))
     done = 0
 
     def tick(stage: str) -> None:
@@ -58,28 +85,68 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
         if progress is not None:
             progress(done, total, stage)
 
-    forwards = target.forwards
-    try:
-        for capacity in capacities:
-            _target_shapes(target, capacity, widths, lambda: tick(f"target shapes at {capacity} tokens"))
-            for n in batches:
-                _batch_shapes(target, n, capacity, widths, lambda: tick(f"{n}-row batch shapes at {capacity} tokens"))
-            for drafter in block_drafters:
-                _drafter_shapes(target, getattr(drafter, "model_drafter", drafter), capacity)
-                tick(f"drafter shapes at {capacity} tokens")
-            for drafter in draft_models:
-                drafter.warm_up(capacity)
-                tick(f"draft model shapes at {capacity} tokens")
-    finally:
-        target.forwards = forwards  # warm-up forwards are not generation work
+    for capacity in capacities:
+        for stage in _capacity_shapes(engine.target, plan, capacity):
+            tick(stage)
     for mode in modes:
         if generate is not None:
             generate(mode)
         tick(f"{mode} warm-up generation")
-        for n in batches if generate_rows is not None else ():
+        for n in plan.batches if generate_rows is not None else ():
             generate_rows(mode, n)
             tick(f"{mode} warm-up batch of {n}")
+    if policy is not None:
+        engine.warmed = Warmed(tuple(modes), rows, capacities[-1])
     return time.perf_counter() - t0
+
+
+def shapes_past(engine: EngineLike, tokens: int) -> Iterator[str]:
+    """The shapes of the KV capacities past those ``warm_up`` prepared (``engine.warmed``: its
+    modes and rows), up to the one holding ``tokens``, run one step (one width of one row count,
+    or one drafter's shapes) each time it is advanced; each step's stage once it ran. A serving
+    engine thread advances this while idle, so a request longer than any before it (an agent's
+    context grows request by request) meets compiled shapes instead of compiling them in its
+    ticks. Nothing without a shape policy or a warm-up."""
+    warmed, policy = getattr(engine, "warmed", None), engine.target.shapes
+    if warmed is None or policy is None:
+        return
+    plan = _plan(engine, warmed.modes, warmed.rows)
+    for capacity in range(warmed.tokens + policy.step, capacity_of(tokens, policy.step) + 1, policy.step):
+        yield from _capacity_shapes(engine.target, plan, capacity)
+        engine.warmed = Warmed(warmed.modes, warmed.rows, capacity)
+
+
+def _capacity_shapes(target, plan: _Plan, capacity: int) -> Iterator[str]:
+    """Every shape of ``plan`` at one KV capacity, a step per yield (its stage)."""
+    return _uncounted(target, _capacity_steps(target, plan, capacity))
+
+
+def _capacity_steps(target, plan: _Plan, capacity: int) -> Iterator[str]:
+    for _ in _target_shapes(target, capacity, plan.widths):
+        yield f"target shapes at {capacity} tokens"
+    for n in plan.batches:
+        for _ in _batch_shapes(target, n, capacity, plan.widths):
+            yield f"{n}-row batch shapes at {capacity} tokens"
+    for drafter in plan.block_drafters:
+        _drafter_shapes(target, getattr(drafter, "model_drafter", drafter), capacity)
+        yield f"drafter shapes at {capacity} tokens"
+    for drafter in plan.draft_models:
+        drafter.warm_up(capacity)
+        yield f"draft model shapes at {capacity} tokens"
+
+
+def _uncounted(target, steps: Iterator[str]) -> Iterator[str]:
+    """``steps``, the target's forwards in each not counted as generation work (a serving
+    engine's telemetry counts requests' forwards between them)."""
+    while True:
+        forwards = target.forwards
+        try:
+            stage = next(steps)
+        except StopIteration:
+            return
+        finally:
+            target.forwards = forwards
+        yield stage
 
 
 def warm_prompt(vocab_size: int, n: int = 16) -> list[int]:
@@ -98,7 +165,7 @@ def _reserve(cache: list, capacity: int) -> None:
             c.reserve(capacity, (c.keys, c.values))
 
 
-def _target_shapes(target, capacity: int, widths: Sequence[int], tick: Callable[[], None]) -> None:
+def _target_shapes(target, capacity: int, widths: Sequence[int]) -> Iterator[None]:
     """A forward at each ladder width (and a one-row step) on a cache of ``capacity`` rows."""
     ids = _prompt(target, max(8, max(widths, default=1)))
     cache = target.new_cache()
@@ -108,10 +175,10 @@ def _target_shapes(target, capacity: int, widths: Sequence[int], tick: Callable[
         logits, _, txn = target.verify(mx.array([ids[:w]], dtype=mx.uint32), cache)
         mx.eval(logits)
         txn.commit(1 if w == 1 else 0)  # a one-row step keeps its row (the capacity stays)
-        tick()
+        yield
 
 
-def _batch_shapes(target, rows: int, capacity: int, widths: Sequence[int], tick: Callable[[], None]) -> None:
+def _batch_shapes(target, rows: int, capacity: int, widths: Sequence[int]) -> Iterator[None]:
     """A batched forward at each ladder width over ``rows`` rows' slots of ``capacity`` columns
     (the rows of different lengths, as a batch's are)."""
     ids = _prompt(target, max(8, max(widths, default=1)) + rows)
@@ -127,7 +194,7 @@ def _batch_shapes(target, rows: int, capacity: int, widths: Sequence[int], tick:
         mx.eval(logits)
         for txn in txns:
             txn.commit(1 if w == 1 else 0)  # as _target_shapes: a one-row step keeps its row
-        tick()
+        yield
 
 
 def _drafter_shapes(target, drafter, capacity: int) -> None:

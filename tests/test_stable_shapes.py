@@ -5,6 +5,8 @@ meets no shape the warm-up did not run.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -278,3 +280,56 @@ def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
     batched = {s for s in shapes if s[0] > 1 and 1 < s[1] <= 8}
     assert batched and batched <= warm, sorted(batched - warm)
     assert {k for _, _, k in batched} <= {16, 32, 48, 64}
+
+
+def test_an_idle_server_compiles_the_shapes_past_its_longest_request(tmp_path, monkeypatch):
+    """Under a shape policy, ``tandem serve``'s engine thread, idle, compiles the KV capacities past
+    its warm-up up to one step beyond the longest request it served (an agent's next request is
+    longer): a batch at that length then meets only compiled multi-row attention shapes, and its
+    answers are the lone ones."""
+    from engine.api import generate_batch
+    from engine.batching import warm_up
+    from engine.serve import worker
+    from engine.serve.server import make_server
+    from tests.test_batch import _post
+
+    monkeypatch.setattr(worker, "IDLE_WARM_S", 0.01)
+    eng = dspark_engine_under_policy(tmp_path)  # KV capacities in steps of 16
+    shapes: set = set()
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def record(q, k, v, **kw):  # (rows, query rows, key rows) of every attention call, any thread
+        shapes.add((q.shape[0], q.shape[2], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    def load():
+        warm_up(eng, ["dspark"], 2, tokens=32)
+        return eng
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", record)
+    srv = make_server(load, port=0, max_batch=2, mode="dspark", max_draft=5).start()
+    try:
+        srv.wait_ready(60)
+        assert eng.warmed.tokens == 32
+        prompt = " ".join(f"w{(7 * i) % 23}" for i in range(60))
+        status, _, body = _post(srv.url, {"prompt": prompt, "max_tokens": 8})  # one row: no batch shape
+        assert status == 200, body
+        longest = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        assert longest > 48
+        want = -(-(longest + 16) // 16) * 16
+        deadline = time.monotonic() + 60
+        while eng.warmed.tokens < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert eng.warmed.tokens == want
+    finally:
+        srv.stop()
+    warm = {s for s in shapes if s[0] > 1}
+    assert {k for _, _, k in warm} >= set(range(48, want + 1, 16))  # the idle steps' capacities
+    shapes.clear()
+    prompts = [PROMPT * 8, (PROMPT * 9)[:-3]]  # 64 and 69 tokens: past the load-time warm-up
+    got = generate_batch(eng, prompts, max_batch=2, mode="dspark", max_new_tokens=12, max_draft=5)
+    assert max(r.batch_width for r in got) == 2
+    batched = {s for s in shapes if s[0] > 1 and 1 < s[1] <= 8}
+    assert batched and batched <= warm, sorted(batched - warm)
+    for p, r in zip(prompts, got):
+        assert r.token_ids == eng.generate(p, mode="dspark", max_new_tokens=12, max_draft=5, prefix_cache=False).token_ids
