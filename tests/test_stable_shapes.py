@@ -13,6 +13,7 @@ import pytest
 
 from engine.sampling import Sampler, SamplingParams
 from engine.shapes import ShapePolicy, StableKVCache, capacity_mask
+from tests.test_batch import _post
 from tests.tiny import make_tiny_engine
 
 PROMPT = [5, 9, 14, 3, 22, 7, 30, 11]
@@ -282,18 +283,35 @@ def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
     assert {k for _, _, k in batched} <= {16, 32, 48, 64}
 
 
+LONG_TEXT = " ".join(f"w{(7 * i) % 23}" for i in range(60))  # past the 32 tokens warmed at load
+
+
+def _idle_warming_server(eng, monkeypatch):
+    """``tandem serve --max-batch 2 --mode dspark`` on ``eng``, warmed at load to 32 tokens, idle
+    steps 10 ms apart; started and ready."""
+    from engine.batching import warm_up
+    from engine.serve import worker
+    from engine.serve.server import make_server
+
+    monkeypatch.setattr(worker, "IDLE_WARM_S", 0.01)
+
+    def load():
+        warm_up(eng, ["dspark"], 2, tokens=32)
+        return eng
+
+    srv = make_server(load, port=0, max_batch=2, mode="dspark", max_draft=5).start()
+    srv.wait_ready(60)
+    assert eng.warmed.tokens == 32
+    return srv
+
+
 def test_an_idle_server_compiles_the_shapes_past_its_longest_request(tmp_path, monkeypatch):
     """Under a shape policy, ``tandem serve``'s engine thread, idle, compiles the KV capacities past
     its warm-up up to one step beyond the longest request it served (an agent's next request is
     longer): a batch at that length then meets only compiled multi-row attention shapes, and its
     answers are the lone ones."""
     from engine.api import generate_batch
-    from engine.batching import warm_up
-    from engine.serve import worker
-    from engine.serve.server import make_server
-    from tests.test_batch import _post
 
-    monkeypatch.setattr(worker, "IDLE_WARM_S", 0.01)
     eng = dspark_engine_under_policy(tmp_path)  # KV capacities in steps of 16
     shapes: set = set()
     sdpa = mx.fast.scaled_dot_product_attention
@@ -302,17 +320,10 @@ def test_an_idle_server_compiles_the_shapes_past_its_longest_request(tmp_path, m
         shapes.add((q.shape[0], q.shape[2], k.shape[2]))
         return sdpa(q, k, v, **kw)
 
-    def load():
-        warm_up(eng, ["dspark"], 2, tokens=32)
-        return eng
-
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", record)
-    srv = make_server(load, port=0, max_batch=2, mode="dspark", max_draft=5).start()
+    srv = _idle_warming_server(eng, monkeypatch)
     try:
-        srv.wait_ready(60)
-        assert eng.warmed.tokens == 32
-        prompt = " ".join(f"w{(7 * i) % 23}" for i in range(60))
-        status, _, body = _post(srv.url, {"prompt": prompt, "max_tokens": 8})  # one row: no batch shape
+        status, _, body = _post(srv.url, {"prompt": LONG_TEXT, "max_tokens": 8})  # one row: no batch shape
         assert status == 200, body
         longest = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
         assert longest > 48
@@ -333,3 +344,29 @@ def test_an_idle_server_compiles_the_shapes_past_its_longest_request(tmp_path, m
     assert batched and batched <= warm, sorted(batched - warm)
     for p, r in zip(prompts, got):
         assert r.token_ids == eng.generate(p, mode="dspark", max_new_tokens=12, max_draft=5, prefix_cache=False).token_ids
+
+
+def test_a_failed_idle_warm_up_step_leaves_the_server_serving(tmp_path, monkeypatch):
+    """A step of the idle warm-up that fails (out of memory at a long context, say) is logged and
+    ends the idle warm-up; the engine thread goes on answering, with the same text."""
+    from engine import warmup
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    eng = dspark_engine_under_policy(tmp_path)
+    srv = _idle_warming_server(eng, monkeypatch)
+    monkeypatch.setattr(warmup, "_target_shapes", out_of_memory)  # after the load-time warm-up
+    try:
+        replies = []
+        for _ in range(2):
+            status, _, body = _post(srv.url, {"prompt": LONG_TEXT, "max_tokens": 8})
+            assert status == 200, body
+            replies.append(body["choices"][0]["text"])
+            deadline = time.monotonic() + 30
+            while srv.worker.warm_ahead and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not srv.worker.warm_ahead and eng.warmed.tokens == 32
+        assert replies[0] == replies[1]
+    finally:
+        srv.stop()

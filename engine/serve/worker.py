@@ -87,6 +87,7 @@ class JobRunner:
         self.current: Job | None = None
         self.refusal: str | None = None  # set: why submit answers 503 (shutting down, switched off)
         self.longest = 0  # the longest context a request reached (prompt and answer), in tokens
+        self.warm_ahead = True  # compile the shapes past it while idle (off after a failed step)
 
     def attach(self, engine: Any, batcher: Any = None) -> None:
         """Serve ``engine`` (in the driving thread): batched through ``batcher`` when given (shared
@@ -319,11 +320,7 @@ class EngineWorker(JobRunner, threading.Thread):
                 except queue.Empty:
                     if not block:
                         break
-                    stage = next(ahead, None)  # idle: one step, then look for a job again
-                    if stage is None:
-                        ahead = None
-                    else:
-                        log.debug("idle warm-up: %s", stage)
+                    ahead = self._warm_step(ahead)  # idle: one step, then look for a job again
                     continue
                 if job is None:  # stopping: the jobs in flight were cancelled; let them end so
                     batcher.step()
@@ -333,6 +330,19 @@ class EngineWorker(JobRunner, threading.Thread):
                 block = False
             batcher.step()
             self.metrics.set_gauge("batch_occupancy", batcher.occupancy)
+
+    def _warm_step(self, ahead: Any) -> Any:
+        """One step of ``ahead``; None once it is done, or failed (logged: serving goes on, with
+        shapes compiled on first use as before, and no idle warm-up again)."""
+        try:
+            stage = next(ahead, None)
+        except Exception as e:  # e.g. out of memory at a long context: never take the engine thread down
+            log.warning("idle warm-up stopped: %s: %s", type(e).__name__, e)
+            self.warm_ahead = False
+            return None
+        if stage is not None:
+            log.debug("idle warm-up: %s", stage)
+        return ahead if stage is not None else None
 
     def _shapes_ahead(self) -> Any:
         """Under a shape policy (CUDA), the shapes of the KV capacities from the warm-up's up to one
@@ -344,7 +354,7 @@ class EngineWorker(JobRunner, threading.Thread):
 
         engine, warmed = self.engine, getattr(self.engine, "warmed", None)
         policy = engine.target.shapes
-        if warmed is None or policy is None or self.longest + policy.step <= warmed.tokens:
+        if not self.warm_ahead or warmed is None or policy is None or self.longest + policy.step <= warmed.tokens:
             return None
         return shapes_past(engine, self.longest + policy.step)
 
