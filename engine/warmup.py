@@ -12,6 +12,9 @@ A batch (engine/batch.py) multiplies the shapes by its row count: with ``rows`` 
 ladder runs again over 2..``rows`` rows' slots at each capacity, and each mode generates once
 more per row count (``generate_rows``: the drafters' batched proposals, the queued plain steps).
 Without it an H100 paid 40-64 ms ticks, against 7-9 ms, where a batch met a shape first.
+
+Capacities past ``tokens`` compile on first use, unless ``shapes_past`` runs them: the same steps,
+one at a time, which ``tandem serve``'s engine thread advances while idle (engine/serve/worker.py).
 """
 
 from __future__ import annotations

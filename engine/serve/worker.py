@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from engine.errors import TandemError
 from engine.serve.chat_format import RequestError
@@ -331,7 +331,7 @@ class EngineWorker(JobRunner, threading.Thread):
             batcher.step()
             self.metrics.set_gauge("batch_occupancy", batcher.occupancy)
 
-    def _warm_step(self, ahead: Any) -> Any:
+    def _warm_step(self, ahead: Iterator[str]) -> Iterator[str] | None:
         """One step of ``ahead``; None once it is done, or failed (logged: serving goes on, with
         shapes compiled on first use as before, and no idle warm-up again)."""
         try:
@@ -344,7 +344,7 @@ class EngineWorker(JobRunner, threading.Thread):
             log.debug("idle warm-up: %s", stage)
         return ahead if stage is not None else None
 
-    def _shapes_ahead(self) -> Any:
+    def _shapes_ahead(self) -> Iterator[str] | None:
         """Under a shape policy (CUDA), the shapes of the KV capacities from the warm-up's up to one
         step past the longest context a request reached (``engine.warmup.shapes_past``), or None
         when those are compiled. An agent's context grows request by request: its next request
@@ -353,7 +353,7 @@ class EngineWorker(JobRunner, threading.Thread):
         from engine.warmup import shapes_past
 
         engine, warmed = self.engine, getattr(self.engine, "warmed", None)
-        policy = engine.target.shapes
+        policy = getattr(getattr(engine, "target", None), "shapes", None)
         if not self.warm_ahead or warmed is None or policy is None or self.longest + policy.step <= warmed.tokens:
             return None
         return shapes_past(engine, self.longest + policy.step)
