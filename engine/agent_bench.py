@@ -39,6 +39,7 @@ from engine.benchmark import (
     stamp,
 )
 from engine.errors import TandemError
+from engine.warmup import tokens_for
 
 if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
@@ -113,7 +114,8 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
     requests = [render(engine, messages) for messages in session.requests]
     calibrations = calibrate_arms(engine, [a.arm for a in rarms], calibration_progress)
     if engine.target.shapes is not None:  # the shapes every arm will use, compiled before any timing
-        engine.warm_up(list(dict.fromkeys(a.arm.mode for a in rarms)), progress=warmup_progress)
+        engine.warm_up(list(dict.fromkeys(a.arm.mode for a in rarms)), progress=warmup_progress,
+                       tokens=tokens_for((len(r) for r in requests), max_new_tokens))
     for a in rarms:  # first-call allocations, kernel selection
         list(replay(engine, requests[:1], a, 8))
     total, done = trials * len(rarms) * len(requests), 0

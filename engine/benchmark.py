@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from engine.errors import TandemError
 from engine.prompts import CLASSES, Turns, load_prompts, load_spec_bench, prompts_dir  # noqa: F401 (re-exported)
+from engine.warmup import tokens_for
 
 if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
@@ -254,7 +255,8 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
             progress(done, total, label)
 
     if engine.target.shapes is not None:  # the shapes every arm will use, compiled before any timing
-        engine.warm_up(list(dict.fromkeys(a.mode for a in arms)), progress=warmup_progress)
+        engine.warm_up(list(dict.fromkeys(a.mode for a in arms)), progress=warmup_progress,
+                       tokens=tokens_for((len(ids) for ids in encoded), max_new_tokens))
     for arm in arms:  # warm-up: first-call allocations, kernel selection
         gen(arm, encoded[0], 8)
         tick(f"warm-up {arm.name}")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from engine.benchmark import Arm, check_lossless, forget_earlier_requests, stamp
 from engine.errors import TandemError
-from engine.warmup import WARM_TOKENS
+from engine.warmup import tokens_for
 
 if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
@@ -180,7 +180,7 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
 
     # every batch shape the arms will meet, compiled before any timing: up to the longest context
     # the run reaches (a serving process meets each once; the agent class's prompts pass 4k tokens)
-    warm_tokens = max([WARM_TOKENS] + [len(ids) + max_new_tokens + 1 for g in groups.values() for ids in g])
+    warm_tokens = tokens_for((len(ids) for g in groups.values() for ids in g), max_new_tokens)
     if engine.target.shapes is not None:
         from engine.batching import warm_up
 

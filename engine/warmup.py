@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -34,6 +34,13 @@ from engine.slot_kv import Slots
 
 WARM_TOKENS = 4096  # context the shapes are prepared for (later capacities compile on first use)
 Progress = Callable[[int, int, str], None]
+
+
+def tokens_for(prompt_lengths: Iterable[int], max_new_tokens: int) -> int:
+    """The context a warm-up covers for these prompts: ``WARM_TOKENS``, or the longest prompt with
+    its answer where longer. A benchmark warms this far, so that no timed pass compiles a shape
+    (the first arm to meet a long context would pay for every arm after it)."""
+    return max([WARM_TOKENS] + [n + max_new_tokens + 1 for n in prompt_lengths])
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,7 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
     t0 = time.perf_counter()
     policy = engine.target.shapes
     plan = _plan(engine, modes, rows)
-    capacities = list(range(policy.step, max(tokens, policy.step) + 1, policy.step)) if policy else []
+    capacities = list(range(policy.step, capacity_of(tokens, policy.step) + 1, policy.step)) if policy else []
     total = len(capacities) * plan.units() + len(modes) * (1 + (len(plan.batches) if generate_rows is not None else 0))
     done = 0
 

@@ -370,3 +370,16 @@ def test_a_failed_idle_warm_up_step_leaves_the_server_serving(tmp_path, monkeypa
         assert replies[0] == replies[1]
     finally:
         srv.stop()
+
+
+def test_a_benchmark_warms_up_to_its_longest_context(monkeypatch):
+    """Under a shape policy the benchmark compiles every context its prompts reach before timing
+    (not only the load-time default): no timed pass, and no arm, pays another's compiles."""
+    from engine import warmup
+    from engine.benchmark import Arm, run_benchmark
+
+    monkeypatch.setattr(warmup, "WARM_TOKENS", 32)
+    eng = make_tiny_engine("llama", seed=4, scale=4.0)
+    eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4)))
+    run_benchmark(eng, [("chat", PROMPT * 8)], [Arm("baseline")], trials=1, max_new_tokens=8, bandwidth=1e9)
+    assert eng.warmed.tokens == 80  # 64 prompt tokens and 8 new ones: the 80-row capacity
