@@ -61,7 +61,7 @@ class _Plan:
     draft_models: list = field(default_factory=list)
 
     def units(self) -> int:
-        """Steps of one capacity (``_capacity_shapes`` yields this many)."""
+        """Steps of one capacity (``_capacity_steps`` yields this many)."""
         return len(self.widths) * (1 + len(self.batches)) + len(self.block_drafters) + len(self.draft_models)
 
 
@@ -85,8 +85,8 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
     t0 = time.perf_counter()
     policy = engine.target.shapes
     plan = _plan(engine, modes, rows)
-    capacities = list(range(policy.step, capacity_of(tokens, policy.step) + 1, policy.step)) if policy else []
-    total = len(capacities) * plan.units() + len(modes) * (1 + (len(plan.batches) if generate_rows is not None else 0))
+    capacities = capacity_of(tokens, policy.step) // policy.step if policy else 0
+    total = capacities * plan.units() + len(modes) * (1 + (len(plan.batches) if generate_rows is not None else 0))
     done = 0
 
     def tick(stage: str) -> None:
@@ -95,8 +95,9 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
         if progress is not None:
             progress(done, total, stage)
 
-    for capacity in capacities:
-        for stage in _capacity_shapes(engine.target, plan, capacity):
+    if policy is not None:  # every capacity, from the first
+        engine.warmed = Warmed(tuple(modes), rows, 0)
+        for stage in _capacities(engine, plan, tokens):
             tick(stage)
     for mode in modes:
         if generate is not None:
@@ -105,8 +106,6 @@ def warm_up(engine: EngineLike, modes: Sequence[str] = ("baseline",), *, tokens:
         for n in plan.batches if generate_rows is not None else ():
             generate_rows(mode, n)
             tick(f"{mode} warm-up batch of {n}")
-    if policy is not None:
-        engine.warmed = Warmed(tuple(modes), rows, capacities[-1])
     return time.perf_counter() - t0
 
 
@@ -117,21 +116,23 @@ def shapes_past(engine: EngineLike, tokens: int) -> Iterator[str]:
     engine thread advances this while idle, so a request longer than any before it (an agent's
     context grows request by request) meets compiled shapes instead of compiling them in its
     ticks. Nothing without a shape policy or a warm-up."""
-    warmed, policy = getattr(engine, "warmed", None), engine.target.shapes
-    if warmed is None or policy is None:
-        return
-    plan = _plan(engine, warmed.modes, warmed.rows)
-    for capacity in range(warmed.tokens + policy.step, capacity_of(tokens, policy.step) + 1, policy.step):
-        yield from _capacity_shapes(engine.target, plan, capacity)
+    warmed = getattr(engine, "warmed", None)
+    if warmed is None or engine.target.shapes is None:
+        return iter(())
+    return _capacities(engine, _plan(engine, warmed.modes, warmed.rows), tokens)
+
+
+def _capacities(engine: EngineLike, plan: _Plan, tokens: int) -> Iterator[str]:
+    """Every shape of ``plan`` at each capacity past ``engine.warmed``'s up to the one holding
+    ``tokens``, a step per yield (its stage); ``engine.warmed`` grows as each capacity ends."""
+    target, warmed, step = engine.target, engine.warmed, engine.target.shapes.step
+    for capacity in range(warmed.tokens + step, capacity_of(tokens, step) + 1, step):
+        yield from _uncounted(target, _capacity_steps(target, plan, capacity))
         engine.warmed = Warmed(warmed.modes, warmed.rows, capacity)
 
 
-def _capacity_shapes(target, plan: _Plan, capacity: int) -> Iterator[str]:
-    """Every shape of ``plan`` at one KV capacity, a step per yield (its stage)."""
-    return _uncounted(target, _capacity_steps(target, plan, capacity))
-
-
 def _capacity_steps(target, plan: _Plan, capacity: int) -> Iterator[str]:
+    """Every shape of ``plan`` at one KV capacity, a step per yield (its stage)."""
     for _ in _target_shapes(target, capacity, plan.widths):
         yield f"target shapes at {capacity} tokens"
     for n in plan.batches:

@@ -250,14 +250,8 @@ def test_a_draft_model_under_the_shape_policy_feeds_power_of_two_pieces_lossless
     assert widths == [8, 4, 1, 1]  # the pieces, then one draft step
 
 
-def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
-    """A batch multiplies the shapes by its row count: after ``batching.warm_up`` for 3 rows, three
-    requests of different lengths decoding together (lookup and DSpark) run only warmed
-    multi-row attention shapes (rows, query rows, key rows)."""
-    from engine.api import generate_batch
-    from engine.batching import warm_up
-
-    eng = dspark_engine_under_policy(tmp_path)
+def attention_shapes(monkeypatch) -> set:
+    """The (rows, query rows, key rows) of every attention call from now on, on any thread."""
     shapes: set = set()
     sdpa = mx.fast.scaled_dot_product_attention
 
@@ -265,19 +259,28 @@ def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path):
         shapes.add((q.shape[0], q.shape[2], k.shape[2]))
         return sdpa(q, k, v, **kw)
 
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", record)
+    return shapes
+
+
+def test_after_the_batch_warm_up_a_batch_meets_no_new_shape(tmp_path, monkeypatch):
+    """A batch multiplies the shapes by its row count: after ``batching.warm_up`` for 3 rows, three
+    requests of different lengths decoding together (lookup and DSpark) run only warmed
+    multi-row attention shapes (rows, query rows, key rows)."""
+    from engine.api import generate_batch
+    from engine.batching import warm_up
+
+    eng = dspark_engine_under_policy(tmp_path)
     prompts = [PROMPT * 2, PROMPT * 3 + [4], PROMPT[:5] * 2]
-    mx.fast.scaled_dot_product_attention = record
-    try:
-        seen = []
-        warm_up(eng, ["lookup", "dspark"], 3, lambda d, t, s: seen.append((d, t, s)), tokens=64)
-        assert seen[-1][0] == seen[-1][1] and any("3-row batch shapes" in s for _, _, s in seen)
-        warm = set(shapes)
-        shapes.clear()
-        for mode in ("dspark", "lookup"):
-            got = generate_batch(eng, prompts, max_batch=3, mode=mode, max_new_tokens=24, max_draft=5)
-            assert max(r.batch_width for r in got) == 3
-    finally:
-        mx.fast.scaled_dot_product_attention = sdpa
+    shapes = attention_shapes(monkeypatch)
+    seen = []
+    warm_up(eng, ["lookup", "dspark"], 3, lambda d, t, s: seen.append((d, t, s)), tokens=64)
+    assert seen[-1][0] == seen[-1][1] and any("3-row batch shapes" in s for _, _, s in seen)
+    warm = set(shapes)
+    shapes.clear()
+    for mode in ("dspark", "lookup"):
+        got = generate_batch(eng, prompts, max_batch=3, mode=mode, max_new_tokens=24, max_draft=5)
+        assert max(r.batch_width for r in got) == 3
     batched = {s for s in shapes if s[0] > 1 and 1 < s[1] <= 8}
     assert batched and batched <= warm, sorted(batched - warm)
     assert {k for _, _, k in batched} <= {16, 32, 48, 64}
@@ -313,14 +316,7 @@ def test_an_idle_server_compiles_the_shapes_past_its_longest_request(tmp_path, m
     from engine.api import generate_batch
 
     eng = dspark_engine_under_policy(tmp_path)  # KV capacities in steps of 16
-    shapes: set = set()
-    sdpa = mx.fast.scaled_dot_product_attention
-
-    def record(q, k, v, **kw):  # (rows, query rows, key rows) of every attention call, any thread
-        shapes.add((q.shape[0], q.shape[2], k.shape[2]))
-        return sdpa(q, k, v, **kw)
-
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", record)
+    shapes = attention_shapes(monkeypatch)
     srv = _idle_warming_server(eng, monkeypatch)
     try:
         status, _, body = _post(srv.url, {"prompt": LONG_TEXT, "max_tokens": 8})  # one row: no batch shape
