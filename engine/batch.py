@@ -84,7 +84,6 @@ class BatchRow:
     forwards: int = 0
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
-    planned: int | None = None  # its next round's cap, asked early (while a plain step was in flight)
     cuts: int = 0  # rounds in a row whose drafts the batch cut to nothing
     cut_width: int = 0  # the batch's width at the last of them (its plain run ends when that changes)
     t_start: float = 0.0
@@ -136,6 +135,7 @@ class BatchLoop:
         self.slots = Slots()  # decoding rows' full-attention keys and values, one buffer per layer
         self._flight: _Flight | None = None  # a round of plain steps queued before the last one was read
         self._round_owed = False  # a prompt's last chunk ended the last tick: this one is a round
+        self._plain_last = False  # the last round was plain steps: a drafting one now empties the pipeline
 
     # -- membership ---------------------------------------------------------------------
     def add(self, row: BatchRow) -> BatchRow:
@@ -278,7 +278,7 @@ class BatchLoop:
                 told(len(rows))
             if row.cut_width and row.cut_width != len(rows):  # cut at another width: ask again now
                 row.run_left = row.cuts = row.cut_width = 0
-        caps = _uncut([self._propose(row) for row in rows], rows)
+        caps = _uncut([self._propose(row) for row in rows], rows, self._plain_last)
         if not any(caps):  # every row takes a plain step: queued, and the next one queued on it
             return self._plain(rows)
         plans = self._drafts(rows, caps)
@@ -292,7 +292,7 @@ class BatchLoop:
                            for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
         t_verify = self.clock()
         logits, hidden, txns = self._verify(rows, verify)
-        self.last_width = len(rows)
+        self.last_width, self._plain_last = len(rows), False
         out = []
         for b, (row, (cap, drafts, draft), txn) in enumerate(zip(rows, plans, txns)):
             k, ids = len(drafts), row.stats.ids
@@ -344,22 +344,19 @@ class BatchLoop:
 
     def _chains(self, flight: _Flight, rows: list[BatchRow]) -> bool:
         """Whether the next round can be queued before this one's tokens are read: the same rows,
-        each taking a plain step next. Each row's next plan is asked now (``_propose``), its
-        token in flight not yet in ``ids``, as ``decode`` asks whether a run goes on; a row whose
-        run ends asks its cap policy now too, unless it is seeded (its caps, and so its sample,
-        follow ``decode``'s order: asked after the last token is read). A row that will draft
-        keeps the plans asked (``planned``) and the round is not queued. Nor is it while a
-        request prefills or waits for a free row: its first token waits for one round at most."""
-        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 and r.sampler.params.seed is not None
-                                      for r in rows):
+        each in the middle of a run of plain steps. Whether a run goes on is asked now, its token
+        in flight not yet in ``ids``, as ``decode`` asks it before queuing the next pipelined
+        forward. A row whose run ends asks its cap policy next tick, after this step is read
+        and observed (``decode``'s order): asked now, the policy would take the step in flight
+        for the round it plans (a probe judged by a plain step's time, an empty draft learned).
+        Nor is the round queued while a request prefills or waits for a free row: its first
+        token waits for one round at most."""
+        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 for r in rows):
             return False
         if any(not r.decoding for r in self.rows) or (self.waiting and len(self.rows) < self.max_batch):
             return False  # a request is about to prefill: its chunk waits for the step in flight only
-        caps = _uncut([self._propose(row) for row in rows], rows)
-        if any(caps):
-            for row, cap in zip(rows, caps):
-                row.planned = cap
-            return False
+        for row in rows:  # each takes the next step of its run (a stop may make it the run's last)
+            self._propose(row)
         return True
 
     def _land(self, flight: _Flight, rows: list[BatchRow]) -> list[Emitted]:
@@ -369,7 +366,7 @@ class BatchLoop:
         if self._chains(flight, rows):
             self._flight = self._queue(rows, flight.picks, True)
         fed_next = self._flight.rows if self._flight is not None else []
-        self.last_width = len(flight.rows)
+        self.last_width, self._plain_last = len(flight.rows), True
         out = []
         for b, row in enumerate(flight.rows):
             if row.done or row not in rows:
@@ -394,9 +391,6 @@ class BatchLoop:
         ``plain_run``, plain steps until the drafter has a draft), so a seeded row draws the
         same random numbers as alone: whether a run goes on is asked before each step's token is
         known, as ``decode`` asks it before queuing the next pipelined forward."""
-        if row.planned is not None:  # asked already, while the step before was in flight
-            cap, row.planned = row.planned, None
-            return cap
         drafter, policy = row.drafter, row.cap_policy
         if drafter is None:
             return 0
@@ -477,12 +471,13 @@ def _judge(rows: Sequence[BatchRow]) -> object | None:
     return next((r.cap_policy for r in rows if hasattr(r.cap_policy, "round_ms")), None)
 
 
-def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
+def _uncut(caps: list[int], rows: Sequence[BatchRow], after_plain: bool = False) -> list[int]:
     """``caps``, or all 0 where drafting does not pay the batch: where the rounds the caps
     promise (each row's acceptance, and how far its drafter tends to reach), verified at the best
-    width with the draft's cost, commit fewer tokens a ms than a plain step of every row (queued,
-    without a round's overhead), nobody drafts (a draft forward saved, and plain steps stay
-    queued). A row whose drafts may not be cut (a seeded request, a probe, a fixed cap) drafts."""
+    width with the draft's cost (and, ``after_plain``, the pipeline of queued plain steps the
+    round empties: ``refill_ms``), commit fewer tokens a ms than a plain step of every row
+    (queued, without a round's overhead), nobody drafts (a draft forward saved, and plain steps
+    stay queued). A row whose drafts may not be cut (a seeded request, a probe, a fixed cap) drafts."""
     judge = _judge(rows)
     if not any(caps) or judge is None or len(rows) == 1:
         return caps
@@ -492,8 +487,9 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow]) -> list[int]:
     # the step as calibrated at this width, or as timed live where that ran faster: a row's live
     # plain steps also hold the ticks in which other rows prefilled
     plain = len(rows) / min(cost.plain_step_ms(), judge.cal.plain_step_ms())
+    refill = judge.refill_ms() if after_plain else 0.0
     best = max(sum(_worth(r, min(cap, w - 1), judge, before=True) for r, cap in zip(rows, caps))
-               / (judge.round_ms(w) + cost.draft(w - 1)) for w in range(2, max(caps) + 2))
+               / (judge.round_ms(w) + cost.draft(w - 1) + refill) for w in range(2, max(caps) + 2))
     if best > plain:
         return caps
     return [_trimmed(row, (cap, [0] * cap, None), 0, len(rows))[0] for row, cap in zip(rows, caps)]

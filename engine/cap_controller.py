@@ -27,6 +27,7 @@ CLEAR_WIN = 1.3  # the last request's latest rounds beat timed plain steps this 
 STALE_PLAIN = 1.0  # plain steps timed on earlier requests count as at most this many steps in a new one ...
 FRESH_PLAIN = 2  # ... and not at all once it has timed this many: a machine's pace drifts (the H200's by
 # up to 2x within a minute), and rounds must be judged against plain steps timed at their pace
+REFILL_DECAY = 0.2  # the refill is learned from few samples (one a round that follows plain steps)
 CONTEXT_STEP = 128  # the curves are re-priced each time the sequence grows past another multiple of this
 
 
@@ -52,6 +53,7 @@ class LearnedState:
     probe_gap: int = PROBE_GAP
     since_probe: int = 0  # parked plain steps since the last probe, across requests
     probe_loss: float = 0.0  # plain steps a probe loses beyond its tokens, catch-up included (EWMA)
+    refill: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed (runs, ms) a round costs the steps after it
 
     def shrink(self, factor: float = 0.5) -> None:
         """Start a new request trusting the old evidence less (the content changed)."""
@@ -199,6 +201,9 @@ class CapController:
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
+        # the plain steps since the last round (ms): its first and latest, how many, and whether a
+        # round came before them (not the prefill): what that round cost the pipeline (``refill_ms``)
+        self._after = [0.0, 0.0, 0, False]
         self._fresh_plain = [0.0, 0.0]  # this request's timed plain steps (decayed): steps, ms
         self._fresh_timed = 0  # ... how many
         # plain steps that open a request: its plain cost, live (not after a clear win; then, once,
@@ -447,6 +452,8 @@ class CapController:
             # CPU backend reading a token waits for the step queued behind it too: a 3-step run
             # reads 2 steps, 1, ~0): only the steps between are timed, each once the next is seen.
             if not self.seeded:
+                first, _, steps, after_round = self._after
+                self._after = [first if steps else seconds * 1000.0, seconds * 1000.0, steps + 1, after_round]
                 if self._run_pos >= 2 and self._pending_plain > 0:  # the next is seen, however long it took
                     keep = 1.0 - self.plain_decay
                     st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + self._pending_plain]
@@ -458,6 +465,8 @@ class CapController:
             return
         self._run_pos = 0
         catch_up_ms, self._catch_up_ms = self._catch_up_ms, 0.0
+        if not self.seeded:
+            self._learn_refill()
         st.rounds += 1
         self._learn_length(min(drafted, cap), cap)
         self._learn_acceptance(drafted, accepted)
@@ -494,7 +503,7 @@ class CapController:
             # n-gram lookup, rejected or empty: 1.0-1.3 steps) costs too little to wait for; an
             # accepted one says look sooner. Seeded (no clock): a rejected probe backs off. A
             # probe a cheap draft triggered leaves the regular schedule alone.
-            loss = (ms + catch_up_ms) / self.plain_ms() - (accepted + 1)  # in plain steps
+            loss = (ms + catch_up_ms + self.refill_ms()) / self.plain_ms() - (accepted + 1)  # in plain steps
             lost = loss > 0.5 if ms > 0 else accepted < drafted
             if not cheap and ms > 0:
                 loss = max(0.0, loss)
@@ -539,6 +548,29 @@ class CapController:
         flat = ms - at_context  # the fit is kept at the calibration's context
         self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + flat, Wgs + g * flat]
         return ms
+
+    def _learn_refill(self) -> None:
+        """Before a round: fold in what the round before the plain steps since cost them. A round
+        empties the pipeline, so the first plain step after it waits for a forward that was not
+        queued ahead (on a GPU whose step is mostly host work: ~1.5 steps on the H200). On the
+        CPU backend the first reads two steps and the last ~0, so the run's first and last
+        step against two plain steps measure the refill on either backend (~0 on the CPU)."""
+        first, last, steps, after_round = self._after
+        self._after = [0.0, 0.0, 0, True]
+        if not after_round or steps == 0:
+            return
+        excess = first + (last if steps >= 2 else 0.0) - min(steps, 2) * self.plain_ms()
+        plain = self.plain_ms()
+        excess = min(max(excess, -plain), 2.0 * plain)  # a stall (another process) is not the round's
+        keep = 1.0 - REFILL_DECAY
+        runs, ms = self.state.refill
+        self.state.refill = [runs * keep + 1.0, ms * keep + excess]
+
+    def refill_ms(self) -> float:
+        """What a round costs the plain steps that follow it beyond their own time (ms, >= 0):
+        the pipeline it emptied. A probe that fails pays it; rounds that follow rounds do not."""
+        runs, ms = self.state.refill
+        return max(0.0, ms / runs) if runs > 0 and not self.seeded else 0.0
 
     def _learn_length(self, k: int, cap: int) -> None:
         st = self.state

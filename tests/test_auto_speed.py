@@ -587,16 +587,17 @@ def test_calibration_traces_a_real_drafter_and_hands_it_the_cut(cache_dir, tmp_p
     assert "confidence cut" in C.format_report(cal)
 
 
-def drive_parked(ctrl: CC.CapController, probe, steps: int = 400) -> list[int]:
-    """Feed a parked controller 1 ms plain steps and ``probe(cap) -> (drafted, accepted, s)``
-    rounds until ``steps`` tokens; returns the plain steps before each probe."""
+def drive_parked(ctrl: CC.CapController, probe, steps: int = 400, run_ms=lambda i, n: 1.0) -> list[int]:
+    """Feed a parked controller plain steps (``run_ms(i, n)`` ms for step i of a run of n; 1 ms
+    each by default) and ``probe(cap) -> (drafted, accepted, s)`` rounds until ``steps`` tokens;
+    returns the plain steps before each probe."""
     gaps, run = [], 0
     while steps > 0:
         cap = ctrl.cap()
         if cap == 0:
             n = ctrl.plain_run()
-            for _ in range(n):
-                ctrl.observe(0, 0, 0.001)
+            for i in range(n):
+                ctrl.observe(0, 0, run_ms(i, n) / 1000.0)
             run, steps = run + n, steps - n
         else:
             gaps.append(run)
@@ -657,6 +658,26 @@ def test_probes_back_off_only_when_they_cost_more_than_a_plain_step(drafted):
     gaps = drive_parked(cheap, lambda cap: (min(drafted, cap), 0, 0.0011))
     # nearly free (0.1 plain steps lost a probe): no doubling, as often as the budget allows
     assert set(gaps[1:]) == {max(CC.PROBE_GAP, round(0.1 / CC.PROBE_BUDGET))}
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_a_failed_probe_is_charged_the_pipeline_it_empties(backend):
+    """A round empties the pipeline of queued plain steps: on a GPU whose step is mostly host
+    work the first plain step after it takes ~1.5 steps (the H200 measured 1.48x). A rejected
+    n-gram probe there costs its 1.3-step round and that half step: it loses 0.8 steps, not 0.3,
+    and backs off. On the CPU backend a run reads 2 steps, 1, ..., ~0: no refill, so the same
+    probe loses 0.3 steps and keeps the budget's gap."""
+    run_ms = {"gpu": lambda i, n: 1.5 if i == 0 else 1.0,
+              "cpu": lambda i, n: 2.0 if i == 0 else 0.02 if i == n - 1 else 1.0}[backend]
+    ctrl = CC.CapController(optimistic_cal(), 8, state=CC.LearnedState(parked=True, rounds=20))
+    gaps = drive_parked(ctrl, lambda cap: (min(4, cap), 0, 0.0013), steps=600, run_ms=run_ms)
+    assert gaps[0] == 0 and len(gaps) >= 4
+    if backend == "gpu":
+        assert ctrl.refill_ms() == pytest.approx(0.5, abs=0.01)
+        assert ctrl.state.probe_gap > CC.PROBE_GAP and min(gaps[3:]) >= 0.6 / CC.PROBE_BUDGET
+    else:
+        assert ctrl.refill_ms() < 0.05
+        assert ctrl.state.probe_gap == CC.PROBE_GAP and max(gaps[1:]) <= 0.35 / CC.PROBE_BUDGET
 
 
 def test_a_parked_controller_probes_each_new_request_and_unparks_on_fast_probes():

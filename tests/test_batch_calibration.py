@@ -246,7 +246,9 @@ def test_a_batch_cuts_one_rows_weak_drafts_and_its_answer_stays_the_same():
     assert widths and set(widths) == {1}  # no forward carried the weak drafts
     assert all(d == 0 for d, _ in rows[2].stats.rounds) and weak.history[0] == 8
     assert asked == [] and weak.history == [8, 8] and rows[2].cuts == 2  # rounds 1 and 6 of 11 (not 11 too)
-    assert len(chained) > 5 and all(chained)  # a cut known before the round keeps the plain steps queued
+    # a cut known before the round keeps the plain steps queued; each cut's run ends unqueued (the
+    # controller is asked after its last step is read, as decode asks it)
+    assert len(chained) > 5 and chained.count(False) <= rows[2].cuts, chained
     for r, p, n in zip(rows, prompts, budgets):
         assert tokens[id(r)] == eng.generate(p, mode="baseline", max_new_tokens=n, prefix_cache=False).token_ids
 
@@ -295,6 +297,11 @@ def test_nobody_drafts_where_a_round_loses_to_a_queued_plain_step_of_every_row()
     assert _uncut([3, 3, 3, 3], rows) == [0, 0, 0, 0] and all(r.cuts == 1 and r.run_left for r in rows)
     rows = four_rows(plain_ms=10.5)
     assert _uncut([3, 3, 3, 3], rows) == [3, 3, 3, 3]
+    # where a round empties a pipeline of queued plain steps that takes a round's time to refill,
+    # it loses to them; between rounds (nothing queued to empty) it still pays
+    rows[0].cap_policy.state.refill = [1.0, 10.0]
+    assert _uncut([3, 3, 3, 3], rows, after_plain=False) == [3, 3, 3, 3]
+    assert _uncut([3, 3, 3, 3], rows, after_plain=True) == [0, 0, 0, 0]
 
 
 def test_a_row_cut_in_a_batch_drafts_again_once_it_is_alone():
@@ -324,3 +331,34 @@ def test_a_row_cut_in_a_batch_drafts_again_once_it_is_alone():
             alone_from = len(row.stats.ids)
     assert row.cuts == 0 and alone_from is not None and asked  # cut with the others, drafting after
     assert asked[0] <= alone_from + 1  # at its first round alone, not CUT_RUN (or more) rounds later
+
+
+def test_a_parked_row_in_a_batch_is_judged_by_its_probes_not_by_the_step_before_them():
+    """The batch queues a row's next plain step before the one in flight is read, and a row whose
+    plain run ends asks its controller only after that step is observed (``decode``'s order).
+    Asked earlier, the controller took the step in flight for the probe it planned: the probe was
+    judged by a plain step's time and tokens (never a loss, so never rarer), and the step went
+    into the fits as a round whose drafter proposed nothing."""
+    from engine.batch import BatchLoop, BatchRow
+    from engine.sampling import Sampler, SamplingParams
+    from engine.speculative import FixedCap
+    from tests.tiny import FixedDrafter
+
+    eng = make_tiny_engine("llama")
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=2.0)
+    policy = CapController(cal, 8)
+    policy.state.parked, policy.state.rounds, policy.state.probe_gap = True, 20, 2
+    seen = []
+    observe = policy.observe
+    policy.observe = lambda k, n, s: seen.append((policy._last_cap, policy._probing, k)) or observe(k, n, s)
+    loop = BatchLoop(eng.target, max_batch=3)
+    for p in ([5, 6, 7, 8], [9, 10, 11]):
+        loop.add(BatchRow(p, Sampler(SamplingParams()), 40, cap_policy=FixedCap(0)))
+    row = loop.add(BatchRow([12, 13, 14, 15, 16], Sampler(SamplingParams()), 40, drafter=FixedDrafter([1] * 8),
+                            cap_policy=policy))
+    while loop.busy:
+        loop.step()
+    probes = [k for cap, probing, k in seen if probing]
+    assert probes and all(k > 0 for k in probes)  # each probe observed as its own round
+    assert all(k > 0 for cap, _, k in seen if cap > 0)  # the drafter always proposes: no empty rounds
+    assert sum(1 for c in row.stats.caps if c > 0) == len(probes)
