@@ -84,6 +84,7 @@ class BatchRow:
     forwards: int = 0
     waited_for_taps: bool = False  # it waited for rows whose drafter reads other target layers
     slotted: bool = False  # its full-attention caches are in the batch's buffers (engine/slot_kv.py)
+    planned: int | None = None  # its next round's cap, asked early (while a plain step was in flight)
     cuts: int = 0  # rounds in a row whose drafts the batch cut to nothing
     cut_width: int = 0  # the batch's width at the last of them (its plain run ends when that changes)
     t_start: float = 0.0
@@ -344,19 +345,23 @@ class BatchLoop:
 
     def _chains(self, flight: _Flight, rows: list[BatchRow]) -> bool:
         """Whether the next round can be queued before this one's tokens are read: the same rows,
-        each in the middle of a run of plain steps. Whether a run goes on is asked now, its token
-        in flight not yet in ``ids``, as ``decode`` asks it before queuing the next pipelined
-        forward. A row whose run ends asks its cap policy next tick, after this step is read
-        and observed (``decode``'s order): asked now, the policy would take the step in flight
-        for the round it plans (a probe judged by a plain step's time, an empty draft learned).
-        Nor is the round queued while a request prefills or waits for a free row: its first
-        token waits for one round at most."""
-        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 for r in rows):
+        each taking a plain step next. Each row's next plan is asked now (``_propose``), its
+        token in flight not yet in ``ids``, as ``decode`` asks whether a run goes on; a row whose
+        run ends asks its cap policy now too, unless it is seeded (its caps, and so its sample,
+        follow ``decode``'s order: asked after the last token is read). A row that will draft
+        keeps the plans asked (``planned``; its policy hears of the step in flight as a plain
+        step read after the plan, ``_land``) and the round is not queued. Nor is it while a
+        request prefills or waits for a free row: its first token waits for one round at most."""
+        if flight.rows != rows or any(r.drafter is not None and r.run_left == 0 and r.sampler.params.seed is not None
+                                      for r in rows):
             return False
         if any(not r.decoding for r in self.rows) or (self.waiting and len(self.rows) < self.max_batch):
             return False  # a request is about to prefill: its chunk waits for the step in flight only
-        for row in rows:  # each takes the next step of its run (a stop may make it the run's last)
-            self._propose(row)
+        caps = _uncut([self._propose(row) for row in rows], rows, after_plain=True)
+        if any(caps):
+            for row, cap in zip(rows, caps):
+                row.planned = cap
+            return False
         return True
 
     def _land(self, flight: _Flight, rows: list[BatchRow]) -> list[Emitted]:
@@ -380,7 +385,10 @@ class BatchLoop:
             logprobs = row.sampler.logprobs(flight.processed[b], [ids[-1]])
             out.append(self._emit(row, [ids[-1]], 0, 0, 0, 0.0, self.clock() - flight.t_issue, "", logprobs))
             now = self.clock()
-            row.cap_policy.observe(0, 0, now - row.t_last)
+            observe = row.cap_policy.observe
+            if row.planned:  # its policy planned the round after this step while it was in flight
+                observe = getattr(row.cap_policy, "observe_ahead", observe)
+            observe(0, 0, now - row.t_last)
             row.t_last = now
         return out
 
@@ -391,6 +399,9 @@ class BatchLoop:
         ``plain_run``, plain steps until the drafter has a draft), so a seeded row draws the
         same random numbers as alone: whether a run goes on is asked before each step's token is
         known, as ``decode`` asks it before queuing the next pipelined forward."""
+        if row.planned is not None:  # asked already, while the step before was in flight
+            cap, row.planned = row.planned, None
+            return cap
         drafter, policy = row.drafter, row.cap_policy
         if drafter is None:
             return 0

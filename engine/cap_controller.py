@@ -549,6 +549,14 @@ class CapController:
         self.state.cost = [W + 1.0, Wg + g, Wgg + g * g, Ws + flat, Wgs + g * flat]
         return ms
 
+    def observe_ahead(self, drafted: int, accepted: int, seconds: float) -> None:
+        """A plain step read after ``cap()`` planned the round that follows it (a batch asks while
+        the step is in flight, so that plain steps stay queued where nobody drafts): observed as
+        the plain step it was, the round still planned."""
+        planned, self._last_cap = self._last_cap, 0
+        self.observe(drafted, accepted, seconds)
+        self._last_cap = planned
+
     def _learn_refill(self) -> None:
         """Before a round: fold in what the round before the plain steps since cost them. A round
         empties the pipeline, so the first plain step after it waits for a forward that was not
