@@ -434,9 +434,14 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
 
     eng = make_engine("llama", seed=2)
     prompts = [("code", p) for p in PROMPTS[:3]] + [("chat", p[::-1]) for p in PROMPTS[:3]]
+    labels = []
     report = run_concurrent(eng, prompts, [Arm("baseline"), Arm("lookup", "auto")], concurrent=3, arrival_ms=5,
-                            max_new_tokens=12)
+                            max_new_tokens=12, trials=2, progress=lambda done, total, label: labels.append(label))
     assert report["lossless"] and set(report["arms"]) == {"baseline", "lookup@auto"}
+    # each class's trials time every arm back to back (a drifting machine's pace hits them alike)
+    timed = [label.split()[:3] for label in labels if not label.startswith("warm-up")]
+    assert [(a, c) for a, c, _ in timed[::2]] == [(a, c) for c in ("code", "chat") for _ in range(2)
+                                                  for a in ("baseline", "lookup@auto")]
     for arm in report["arms"].values():
         for cls in ("code", "chat"):
             c = arm["classes"][cls]
@@ -449,6 +454,8 @@ def test_concurrent_benchmark_reports_batched_against_sequential():
             assert isinstance(late["within_prefill_plus_two_rounds"], bool)
     assert report["arms"]["baseline"]["vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
     assert report["arms"]["baseline"]["stream_vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
+    assert report["arms"]["baseline"]["paired_vs_batched_baseline"] == {"code": 1.0, "chat": 1.0}
+    assert all(r > 0 for r in report["arms"]["lookup@auto"]["paired_vs_batched_baseline"].values())
     assert "lookup@auto" in format_concurrent(report) and "p50 stream" in format_concurrent(report)
 
 
