@@ -567,8 +567,8 @@ class CapController:
         self._after = [0.0, 0.0, 0, True]
         if not after_round or steps == 0:
             return
-        excess = first + (last if steps >= 2 else 0.0) - min(steps, 2) * self.plain_ms()
         plain = self.plain_ms()
+        excess = first + (last if steps >= 2 else 0.0) - min(steps, 2) * plain
         excess = min(max(excess, -plain), 2.0 * plain)  # a stall (another process) is not the round's
         keep = 1.0 - REFILL_DECAY
         runs, ms = self.state.refill
