@@ -75,8 +75,10 @@ class CapPolicy(Protocol):
     the drafter has; then it asks ``cap()`` again.
     An optional ``observe_catch_up(seconds)`` hears of a drafter's catch-up before the round
     that ``observe`` reports next; an optional ``batch_rows(n)`` (engine/batch.py) hears, before
-    each round, how many sequences share its forward; an optional ``context(n)`` hears, before
-    each ``cap()``, how many tokens the sequence holds (prompt and output)."""
+    each round, how many sequences share its forward, and an optional ``observe_ahead`` (same
+    arguments as ``observe``) hears of a plain step read after ``cap()`` planned the round that
+    follows it (the batch asks while that step is in flight); an optional ``context(n)`` hears,
+    before each ``cap()``, how many tokens the sequence holds (prompt and output)."""
 
     def cap(self) -> int: ...
 
