@@ -201,9 +201,11 @@ class CapController:
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
         self._run_pos = 0  # position in the current run of plain steps (the first one fills the pipeline)
         self._pending_plain = 0.0  # the run's latest plain step (ms), timed once a later one shows it was not the last
-        # the plain steps since the last round (ms): its first and latest, how many, and whether a
-        # round came before them (not the prefill): what that round cost the pipeline (``refill_ms``)
-        self._after = [0.0, 0.0, 0, False]
+        # the plain steps since the last round: how many, the first's and the latest's ms, and whether
+        # a round came before them (not the prefill): what that round cost the pipeline (``refill_ms``)
+        self._since_round = 0
+        self._since_round_first_ms = self._since_round_last_ms = 0.0
+        self._round_before = False
         self._fresh_plain = [0.0, 0.0]  # this request's timed plain steps (decayed): steps, ms
         self._fresh_timed = 0  # ... how many
         # plain steps that open a request: its plain cost, live (not after a clear win; then, once,
@@ -452,8 +454,10 @@ class CapController:
             # CPU backend reading a token waits for the step queued behind it too: a 3-step run
             # reads 2 steps, 1, ~0): only the steps between are timed, each once the next is seen.
             if not self.seeded:
-                first, _, steps, after_round = self._after
-                self._after = [first if steps else seconds * 1000.0, seconds * 1000.0, steps + 1, after_round]
+                if self._since_round == 0:
+                    self._since_round_first_ms = seconds * 1000.0
+                self._since_round_last_ms = seconds * 1000.0
+                self._since_round += 1
                 if self._run_pos >= 2 and self._pending_plain > 0:  # the next is seen, however long it took
                     keep = 1.0 - self.plain_decay
                     st.plain = [st.plain[0] * keep + 1.0, st.plain[1] * keep + self._pending_plain]
@@ -563,12 +567,12 @@ class CapController:
         queued ahead (on a GPU whose step is mostly host work: ~1.5 steps on the H200). On the
         CPU backend the first reads two steps and the last ~0, so the run's first and last
         step against two plain steps measure the refill on either backend (~0 on the CPU)."""
-        first, last, steps, after_round = self._after
-        self._after = [0.0, 0.0, 0, True]
+        steps, self._since_round = self._since_round, 0
+        after_round, self._round_before = self._round_before, True
         if not after_round or steps == 0:
             return
         plain = self.plain_ms()
-        excess = first + (last if steps >= 2 else 0.0) - min(steps, 2) * plain
+        excess = self._since_round_first_ms + (self._since_round_last_ms if steps >= 2 else 0.0) - min(steps, 2) * plain
         excess = min(max(excess, -plain), 2.0 * plain)  # a stall (another process) is not the round's
         keep = 1.0 - REFILL_DECAY
         runs, ms = self.state.refill
