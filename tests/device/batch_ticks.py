@@ -1,5 +1,6 @@
 """What the ticks of a batched run are made of, per arm: how many forwards each tick ran and how
-wide (rows x width), their mean time, and per row the rounds it drafted, the drafts kept and the
+wide (rows x width), their mean time and the part of it spent building the forwards' graphs on
+the host (``graph build``: a tick whose build time nears its whole time is host-bound), and per row the rounds it drafted, the drafts kept and the
 caps its policy asked for. Written for the H100 table where lookup@auto ran a four-row math batch
 at 0.64x the batched baseline (h100-concurrent-starter-bfloat16-cuts.json), to see whether the
 rounds speculated, were cut, or were slow for another reason.
@@ -8,7 +9,8 @@ rounds speculated, were cut, or were slow for another reason.
         [--classes math] [--trials 2] [--max-new-tokens 128] [--warm run|batch|none] [--widths 4]
         [--json OUT.json]
 
-An arm is a mode (at ``--max-draft auto``) or ``mode@cap`` (``lookup@16``: a fixed cap).
+An arm is a mode (at ``--max-draft auto``) or ``mode@cap`` (``lookup@16``: a fixed cap;
+``dspark@parked``: the drafter attached and never asked, ``FixedCap(0)``).
 ``--widths 4,1`` runs each arm's four requests as one batch and then one at a time through the
 same loop, so a row's drafts and acceptance in the batch sit beside its own alone.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -31,6 +34,7 @@ from engine.api import load
 from engine.benchmark import Arm
 from engine.concurrent_bench import AGENT, agent_prompts, run_batched
 from engine.prompts import CLASSES, load_prompts, load_spec_bench
+from engine.speculative import FixedCap
 
 
 def instrument() -> list:
@@ -42,7 +46,11 @@ def instrument() -> list:
 
     def _verify(self, rows, ids):
         current.setdefault("forwards", []).append((len(rows), int(ids.shape[1])))
-        return verify(self, rows, ids)
+        t0 = time.perf_counter()
+        try:
+            return verify(self, rows, ids)
+        finally:  # the forward's graph, built on the host (its kernels run later)
+            current["build_s"] = current.get("build_s", 0.0) + time.perf_counter() - t0
 
     def _drafts(self, rows, caps):
         current["drafted"] = True
@@ -52,7 +60,8 @@ def instrument() -> list:
         current.clear()
         t0 = time.perf_counter()
         step(self)
-        ticks.append((tuple(current.get("forwards", [])), bool(current.get("drafted")), time.perf_counter() - t0))
+        ticks.append((tuple(current.get("forwards", [])), bool(current.get("drafted")), time.perf_counter() - t0,
+                      current.get("build_s", 0.0)))
 
     batch.BatchLoop._verify, batch.BatchLoop._drafts, batching.Batcher.step = _verify, _drafts, _step
     return ticks
@@ -66,8 +75,27 @@ def _prompts(cls: str) -> list:
 
 
 def _cap(text: str) -> int | str:
-    """``lookup@16`` -> 16; ``lookup`` or ``lookup@auto`` -> "auto"."""
-    return int(text) if text.isdigit() else "auto"
+    """``lookup@16`` -> 16; ``lookup@parked`` -> "parked"; ``lookup`` or ``lookup@auto`` -> "auto"."""
+    return int(text) if text.isdigit() else text if text == PARKED else "auto"
+
+
+PARKED = "parked"  # the drafter attached (its tap, its commits) but never asked: FixedCap(0)
+
+
+@contextlib.contextmanager
+def _parked(eng: object, arm: Arm):
+    """For a ``@parked`` arm, every request's cap policy is ``FixedCap(0)``: what a row costs
+    the batch's plain steps without a controller's probes."""
+    if arm.cap != PARKED:
+        yield arm
+        return
+    cls = type(eng)
+    original = cls._cap_policy
+    cls._cap_policy = lambda self, mode, drafter, max_draft, seeded=False: (FixedCap(0), 0)
+    try:
+        yield Arm(arm.mode, None)
+    finally:
+        cls._cap_policy = original
 
 
 def main() -> int:
@@ -94,28 +122,32 @@ def main() -> int:
     for cls in args.classes.split(","):
         group = [eng.encode(p) for _, p in _prompts(cls)]
         for arm, width, trial in ((a, w, t) for a in arms for w in widths for t in range(args.trials)):
-            if args.warm == "run" and trial == 0:
-                run_batched(eng, group, arm, 8, 0.0, width)  # warm-up (calibration, first shapes)
-            ticks.clear()
-            summary, results = run_batched(eng, group, arm, args.max_new_tokens, 0.0, width)
-            kinds: dict = collections.defaultdict(lambda: [0, 0.0, 0.0])
-            for forwards, drafted, seconds in ticks:
+            with _parked(eng, arm) as run_arm:
+                if args.warm == "run" and trial == 0:
+                    run_batched(eng, group, run_arm, 8, 0.0, width)  # warm-up (calibration, first shapes)
+                ticks.clear()
+                summary, results = run_batched(eng, group, run_arm, args.max_new_tokens, 0.0, width)
+            kinds: dict = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+            for forwards, drafted, seconds, build in ticks:
                 key = ",".join(f"{r}x{w}" for r, w in forwards) or "prefill"
                 key += " drafted" if drafted else ""
                 kinds[key][0] += 1
                 kinds[key][1] += seconds
                 kinds[key][2] = max(kinds[key][2], seconds)
+                kinds[key][3] += build
             rows = [{"drafted": sum(d for d, _ in r.rounds[1:]), "accepted": sum(a for _, a in r.rounds[1:]),
                      "caps": dict(collections.Counter(r.caps))} for r in results]
             entry = {"class": cls, "arm": arm.name, "width": width, "trial": trial,
                      "tok_s": round(summary["tok_s"], 1),
-                     "ticks": {k: {"n": n, "mean_ms": round(1000 * s / n, 2), "max_ms": round(1000 * m, 2)}
-                               for k, (n, s, m) in kinds.items()},
+                     "ticks": {k: {"n": n, "mean_ms": round(1000 * s / n, 2), "max_ms": round(1000 * m, 2),
+                                   "build_ms": round(1000 * b / n, 2)}
+                               for k, (n, s, m, b) in kinds.items()},
                      "rows": rows}
             out.append(entry)
             print(f"{cls} {arm.name} max batch {width} trial {trial}: {entry['tok_s']} tok/s", flush=True)
             for k, v in sorted(entry["ticks"].items(), key=lambda kv: -kv[1]["n"] * kv[1]["mean_ms"]):
-                print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms, max {v['max_ms']:.2f} ms")
+                print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms, max {v['max_ms']:.2f} ms,"
+                      f" graph build {v['build_ms']:.2f} ms")
             for r in rows:
                 print(f"   row: drafted {r['drafted']} accepted {r['accepted']} caps {r['caps']}")
     if args.json:
