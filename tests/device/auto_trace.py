@@ -1,0 +1,97 @@
+"""What each row's ``--max-draft auto`` controller saw and decided in a batched run: per row, the
+sequence of its observations (plain runs folded into one line), with the cap it asked, the drafts
+kept, the ms it was charged, whether it was parked or probing, its plain step, refill and probe
+gap, and at the end the cost curve it priced rounds with at this batch width. Written for the
+H100 runs where lookup@auto ran summarization at 0.93x the batched baseline while lookup at a
+fixed cap of 16 ran 1.2x it (h100-batch-ticks-...-s10-summ.json).
+
+    python3 tests/device/auto_trace.py [--gguf STARTER.gguf] [--dtype bfloat16] [--mode lookup]
+        [--classes summarization] [--max-new-tokens 128] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import engine.batching as batching
+from engine import cap_controller
+from engine.api import load
+from engine.benchmark import Arm
+from engine.concurrent_bench import run_batched
+from engine.prompts import CLASSES, load_prompts, load_spec_bench
+
+
+def instrument() -> dict:
+    """Patch CapController.observe to log every observation by controller."""
+    log: dict = {}
+    observe = cap_controller.CapController.observe
+
+    def _observe(self, drafted, accepted, seconds):
+        cap, st = self._last_cap, self.state
+        entry = {"cap": cap, "drafted": drafted, "accepted": accepted, "ms": round(seconds * 1000, 2),
+                 "parked": st.parked, "probing": self._probing, "cheap": self._cheap_probe}
+        observe(self, drafted, accepted, seconds)
+        entry.update(plain_ms=round(self.plain_ms(), 2), refill_ms=round(self.refill_ms(), 2),
+                     gap=self._gap(), probe_loss=round(st.probe_loss, 2), p=round(st.p, 3),
+                     parked_after=st.parked, rows=self.rows)
+        log.setdefault(id(self), []).append(entry)
+
+    cap_controller.CapController.observe = _observe
+    return log
+
+
+def fold(entries: list) -> list[str]:
+    """Plain runs as one line each, rounds one line each."""
+    lines, run = [], []
+    for e in entries + [None]:
+        if e is not None and e["cap"] == 0:
+            run.append(e)
+            continue
+        if run:
+            ms = [r["ms"] for r in run]
+            lines.append(f"  plain x{len(run):3d}  ms first {ms[0]:.1f} mid {sorted(ms)[len(ms) // 2]:.1f} last {ms[-1]:.1f}"
+                         f"  parked {run[-1]['parked_after']} gap {run[-1]['gap']} plain_ms {run[-1]['plain_ms']}")
+            run = []
+        if e is not None:
+            kind = "probe" if e["probing"] else "round"
+            kind += "(cheap)" if e["cheap"] else ""
+            lines.append(f"  {kind:12s} cap {e['cap']:2d} drafted {e['drafted']:2d} accepted {e['accepted']:2d}"
+                         f" ms {e['ms']:.1f}  -> parked {e['parked_after']} gap {e['gap']} loss {e['probe_loss']}"
+                         f" refill {e['refill_ms']} plain {e['plain_ms']} p {e['p']} rows {e['rows']}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--mode", default="lookup")
+    ap.add_argument("--classes", default="summarization")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    eng = load(args.gguf, dtype=args.dtype)
+    eng.suffix_index = None
+    print(f"batch warm-up: {batching.warm_up(eng, ['baseline', args.mode], 4):.1f} s", flush=True)
+    out = {}
+    for cls in args.classes.split(","):
+        prompts = load_prompts([cls], 4) if cls in CLASSES else load_spec_bench([cls], 4)
+        group = [eng.encode(p) for _, p in prompts]
+        arm = Arm(args.mode, "auto")
+        run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up: calibration, first shapes
+        log = instrument()
+        summary, _ = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
+        print(f"{cls} {arm.name}: {summary['tok_s']:.1f} tok/s")
+        for i, entries in enumerate(log.values()):
+            print(f" row {i}:")
+            print("\n".join(fold(entries)))
+        out[cls] = [list(v) for v in log.values()]
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
