@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import engine.batching as batching
-from engine import cap_controller
+from engine import batch, cap_controller
 from engine.api import load
 from engine.benchmark import Arm
 from engine.concurrent_bench import run_batched
@@ -40,6 +40,33 @@ def instrument() -> dict:
 
     cap_controller.CapController.observe = _observe
     return log
+
+
+def instrument_cuts() -> list:
+    """Patch batch._uncut to log each decision where a row asked to draft: the batch's plain rate
+    (tokens/ms: live and calibrated plain step), the best round's (its width, tokens, ms, refill)."""
+    decisions: list = []
+    uncut = batch._uncut
+
+    def _uncut(caps, rows, after_plain=False):
+        out = uncut(caps, rows, after_plain)
+        judge = batch._judge(rows)
+        if any(caps) and judge is not None and len(rows) > 1:
+            cost = judge.corrected()
+            refill = judge.refill_ms() if after_plain else 0.0
+            best = max(range(2, max(caps) + 2), key=lambda w: sum(
+                batch._worth(r, min(c, w - 1), judge, before=True) for r, c in zip(rows, caps))
+                / (judge.round_ms(w) + cost.draft(w - 1) + refill))
+            worth = [round(batch._worth(r, min(c, best - 1), judge, before=True), 2) for r, c in zip(rows, caps)]
+            decisions.append({"caps": list(caps), "cut": not any(out), "after_plain": after_plain,
+                              "live_plain_ms": round(cost.plain_step_ms(), 2),
+                              "cal_plain_ms": round(judge.cal.plain_step_ms(), 2), "width": best, "worth": worth,
+                              "round_ms": round(judge.round_ms(best), 2), "draft_ms": round(cost.draft(best - 1), 2),
+                              "refill_ms": round(refill, 2)})
+        return out
+
+    batch._uncut = _uncut
+    return decisions
 
 
 def fold(entries: list) -> list[str]:
@@ -76,18 +103,23 @@ def main() -> int:
     eng.suffix_index = None
     print(f"batch warm-up: {batching.warm_up(eng, ['baseline', args.mode], 4):.1f} s", flush=True)
     out = {}
+    log, decisions = instrument(), instrument_cuts()
     for cls in args.classes.split(","):
         prompts = load_prompts([cls], 4) if cls in CLASSES else load_spec_bench([cls], 4)
         group = [eng.encode(p) for _, p in prompts]
         arm = Arm(args.mode, "auto")
         run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up: calibration, first shapes
-        log = instrument()
+        log.clear()
+        decisions.clear()
         summary, _ = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
         print(f"{cls} {arm.name}: {summary['tok_s']:.1f} tok/s")
+        print(f" batch decisions with a draft asked: {len(decisions)}, cut {sum(d['cut'] for d in decisions)}")
+        for d in decisions[:40]:
+            print("  ", json.dumps(d))
         for i, entries in enumerate(log.values()):
             print(f" row {i}:")
             print("\n".join(fold(entries)))
-        out[cls] = [list(v) for v in log.values()]
+        out[cls] = {"rows": [list(v) for v in log.values()], "decisions": list(decisions)}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
