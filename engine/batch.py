@@ -498,20 +498,12 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow], after_plain: bool = False)
     # the step as calibrated at this width, or as timed live where that ran faster: a row's live
     # plain steps also hold the ticks in which other rows prefilled
     plain = len(rows) / min(cost.plain_step_ms(), judge.cal.plain_step_ms())
-    refill = _refill_ms(rows) if after_plain else 0.0
+    refill = judge.refill_ms() if after_plain else 0.0
     best = max(sum(_worth(r, min(cap, w - 1), judge, before=True) for r, cap in zip(rows, caps))
                / (judge.round_ms(w) + cost.draft(w - 1) + refill) for w in range(2, max(caps) + 2))
     if best > plain:
         return caps
     return [_trimmed(row, (cap, [0] * cap, None), 0, len(rows))[0] for row, cap in zip(rows, caps)]
-
-
-def _refill_ms(rows: Sequence[BatchRow]) -> float:
-    """What a round costs the batch's queued plain steps (``refill_ms``), by every row's controller:
-    each times the same pipeline, so their estimates are pooled, and one row's stalled sample
-    does not price every round of the batch."""
-    refills = [r.cap_policy.refill_ms() for r in rows if hasattr(r.cap_policy, "refill_ms")]
-    return sum(refills) / len(refills) if refills else 0.0
 
 
 def _worth(row: BatchRow, k: int, judge: object, before: bool = False) -> float:

@@ -53,9 +53,7 @@ class LearnedState:
     probe_gap: int = PROBE_GAP
     since_probe: int = 0  # parked plain steps since the last probe, across requests
     probe_loss: float = 0.0  # plain steps a probe loses beyond its tokens, catch-up included (EWMA)
-    # decayed (runs, ms) a round costs the steps after it; the prior, one run that cost nothing, keeps
-    # a first noisy sample from pricing every later round (it fades as runs are seen)
-    refill: list[float] = field(default_factory=lambda: [1.0, 0.0])
+    refill: list[float] = field(default_factory=lambda: [0.0, 0.0])  # decayed (runs, ms) a round costs the steps after it
 
     def shrink(self, factor: float = 0.5) -> None:
         """Start a new request trusting the old evidence less (the content changed)."""
@@ -575,9 +573,7 @@ class CapController:
             return
         plain = self.plain_ms()
         excess = self._since_round_first_ms + (self._since_round_last_ms if steps >= 2 else 0.0) - min(steps, 2) * plain
-        # One step is queued ahead, so a round can cost the steps after it one step's overlap at
-        # most; more is a stall (another process, a row's prefill), not the round's
-        excess = min(max(excess, -plain), plain)
+        excess = min(max(excess, -plain), 2.0 * plain)  # a stall (another process) is not the round's
         keep = 1.0 - REFILL_DECAY
         runs, ms = self.state.refill
         self.state.refill = [runs * keep + 1.0, ms * keep + excess]
