@@ -289,6 +289,7 @@ class BatchLoop:
         if width == 1:  # nothing drafted, or all of it cut: plain steps, queued (the next may chain on them)
             return self._plain(rows)
         width = self.target.verify_width(width)
+        plans = [_filled(row, plan, width - 1) for row, plan in zip(rows, plans)]
         verify = mx.array([[row.stats.ids[-1]] + d + [row.stats.ids[-1]] * (width - 1 - len(d))
                            for row, (_, d, _) in zip(rows, plans)], dtype=mx.uint32)
         t_verify = self.clock()
@@ -311,9 +312,11 @@ class BatchLoop:
             source = (draft.source or row.drafter.name) if k else ""
             out.append(self._emit(row, committed, k, n, cap, t_verify - t_round, t_end - t_verify, source, logprobs))
             now = self.clock()
-            # priced at the row's own width: the rest of a wider forward is the others' cost
-            share = judge.round_ms(k + 1) / judge.round_ms(width) if judge is not None and k + 1 < width else 1.0
-            row.cap_policy.observe(k, n, (now - row.t_last) * share)
+            # priced at the row's own width: the rest of a wider forward is the others' cost. A
+            # row whose padding carried free drafts took the plain step its policy planned
+            own = (k, n) if cap else (0, 0)
+            share = judge.round_ms(own[0] + 1) / judge.round_ms(width) if judge is not None and own[0] + 1 < width else 1.0
+            row.cap_policy.observe(*own, (now - row.t_last) * share)
             row.t_last = now
         return out
 
@@ -475,6 +478,22 @@ class BatchLoop:
                            len(row.prompt_ids) + row.generated, row.generated, draft_s, verify_s, row.mode,
                            drafted_by, None if logprobs is None else logprobs[: len(out)])
         return Emitted(row, out, event, reason is not None)
+
+
+def _filled(row: BatchRow, plan: tuple[int, list[int], object], room: int) -> tuple[int, list[int], object]:
+    """``plan``, or for a row that drafts nothing this round (a plain run, a cut, a parked policy)
+    a free draft (``Drafter.free_draft``: an n-gram match) in the ``room`` the round's width gives
+    its padding anyway, with cap 0: its policy planned a plain step. Not a seeded row: its draws
+    follow the schedule it has alone."""
+    room = min(room, row.max_new_tokens - row.generated - 1)
+    if plan[1] or room <= 0 or row.drafter is None or row.sampler.params.seed is not None:
+        return plan
+    draft = row.drafter.free_draft(row.stats.ids, room, row.sampler)
+    if draft is None or len(draft) == 0:
+        return plan
+    if len(draft) > room:
+        draft.keep(room)
+    return 0, draft.tokens.tolist(), draft
 
 
 def _judge(rows: Sequence[BatchRow]) -> object | None:

@@ -109,6 +109,12 @@ class Drafter:
         early to try it. Drafters whose every draft costs a model call say False."""
         return False
 
+    def free_draft(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        """A draft of up to ``cap`` tokens that costs no model call (an n-gram match), or None: a
+        batch verifies it in a row's padding, the width a round of other rows' drafts pays for
+        anyway. Drafters whose every draft costs a model call have none."""
+        return None
+
     @property
     def needs_state(self) -> bool:
         """Whether ``resume`` after a restored prefix needs a stored ``state()`` covering it: drafters

@@ -133,3 +133,6 @@ class LookupDrafter(Drafter):
 
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         return self.best(ids)[1] >= STRONG_MATCH
+
+    def free_draft(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        return self.propose(ids, cap, sampler)

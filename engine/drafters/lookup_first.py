@@ -65,6 +65,12 @@ class LookupFirst(Drafter):
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         return self.lookup.cheap_draft_ready(ids)
 
+    def free_draft(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
+        draft = self.lookup.free_draft(ids, cap, sampler)
+        if draft is not None:
+            draft.source = self.lookup.name
+        return draft
+
     def state(self) -> DrafterState | None:
         return self.model_drafter.state()  # lookup's index is rebuilt from the tokens
 
