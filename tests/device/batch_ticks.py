@@ -1,7 +1,8 @@
 """What the ticks of a batched run are made of, per arm: how many forwards each tick ran and how
 wide (rows x width), their mean time and the part of it spent building the forwards' graphs on
-the host (``graph build``: a tick whose build time nears its whole time is host-bound), and per row the rounds it drafted, the drafts kept and the
-caps its policy asked for. Written for the H100 table where lookup@auto ran a four-row math batch
+the host (``graph build``: a tick whose build time nears its whole time is host-bound), and per
+row the drafts it verified and kept (those in other rows' rounds' padding apart: ``free``) and
+the caps its policy asked for. Written for the H100 table where lookup@auto ran a four-row math batch
 at 0.64x the batched baseline (h100-concurrent-starter-bfloat16-cuts.json), to see whether the
 rounds speculated, were cut, or were slow for another reason.
 
@@ -136,6 +137,9 @@ def main() -> int:
                 kinds[key][2] = max(kinds[key][2], seconds)
                 kinds[key][3] += build
             rows = [{"drafted": sum(d for d, _ in r.rounds[1:]), "accepted": sum(a for _, a in r.rounds[1:]),
+                     # free drafts: verified in a round's padding, the row's own cap 0
+                     "free": [sum(d for (d, _), c in zip(r.rounds, r.caps) if not c),
+                              sum(a for (_, a), c in zip(r.rounds, r.caps) if not c)],
                      "caps": dict(collections.Counter(r.caps))} for r in results]
             entry = {"class": cls, "arm": arm.name, "width": width, "trial": trial,
                      "tok_s": round(summary["tok_s"], 1),
@@ -149,7 +153,8 @@ def main() -> int:
                 print(f"   {k:28s} n={v['n']:4d} mean {v['mean_ms']:.2f} ms, max {v['max_ms']:.2f} ms,"
                       f" graph build {v['build_ms']:.2f} ms")
             for r in rows:
-                print(f"   row: drafted {r['drafted']} accepted {r['accepted']} caps {r['caps']}")
+                print(f"   row: drafted {r['drafted']} accepted {r['accepted']} (free: {r['free'][0]} kept"
+                      f" {r['free'][1]}) caps {r['caps']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
