@@ -314,9 +314,11 @@ class BatchLoop:
             now = self.clock()
             # priced at the row's own width: the rest of a wider forward is the others' cost. A
             # row whose padding carried free drafts took the plain step its policy planned
-            own = (k, n) if cap else (0, 0)
-            share = judge.round_ms(own[0] + 1) / judge.round_ms(width) if judge is not None and own[0] + 1 < width else 1.0
-            row.cap_policy.observe(*own, (now - row.t_last) * share)
+            drafted, kept = (k, n) if cap else (0, 0)
+            share = 1.0
+            if judge is not None and drafted + 1 < width:
+                share = judge.round_ms(drafted + 1) / judge.round_ms(width)
+            row.cap_policy.observe(drafted, kept, (now - row.t_last) * share)
             row.t_last = now
         return out
 
