@@ -290,8 +290,8 @@ def test_free_drafts_in_the_padding_sample_exactly(monkeypatch):
     for start in range(RUNS):
         lead = BatchRow(list(PROMPT), Sampler(SamplingParams(1.0, 0.9, 6, seed=500 + start)), LENGTH,
                         drafter=DraftModelDrafter(draft_model, max_draft=CAP), cap_policy=FixedCap(CAP))
-        loop, plain = _padding_rows(target, lead, lambda i: Sampler(SamplingParams(1.0, 0.9, 6, seed=900 + start)
-                                                                    if i == 2 else params),
+        seeded_params = SamplingParams(1.0, 0.9, 6, seed=900 + start)  # the third row's
+        loop, plain = _padding_rows(target, lead, lambda i: Sampler(seeded_params if i == 2 else params),
                                     LENGTH, [PROMPT] * 3, lambda: LookupDrafter(max_draft=CAP, min_ngram=1))
         seeded, plain = plain[2], plain[:2]
         tokens = {id(r): [] for r in plain}
