@@ -35,6 +35,7 @@ class Bridge(QObject):
     busy_changed = Signal(bool)  # the worker started / finished a job
 
     gen_started = Signal(int, object)  # (id, {"mode": resolved mode, "prompt_tokens": n})
+    gen_calibrating = Signal(int, int, int, str)  # (id, done, total, what): a first auto message measures the machine
     gen_text = Signal(int, str)  # (id, new text)
     gen_finished = Signal(int, object)  # (id, result dict)
     gen_failed = Signal(int, str)  # (id, one-line error)

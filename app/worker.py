@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 
@@ -231,14 +232,33 @@ class EngineWorker(QObject):
                 raise _Cancelled()
 
         try:
-            for chunk in self.engine.stream(prompt, chat_template=use_template, on_round=run.on_round,
-                                            prefix_cache=prefix_cache, prefill_progress=prefill_progress,
-                                            cancel=lambda: self.bridge.is_cancelled(rid), **run.kwargs):
-                run.add(chunk)
+            with self._calibration_shown(rid):
+                for chunk in self.engine.stream(prompt, chat_template=use_template, on_round=run.on_round,
+                                                prefix_cache=prefix_cache, prefill_progress=prefill_progress,
+                                                cancel=lambda: self.bridge.is_cancelled(rid), **run.kwargs):
+                    run.add(chunk)
         except BaseException as err:  # the requests table says how it ended
             self.bridge.telemetry.end(key, error="cancelled" if isinstance(err, _Cancelled) else _one_line(err))
             raise
         return run.finish()
+
+    @contextmanager
+    def _calibration_shown(self, rid: int) -> Iterator[None]:
+        """A first ``--max-draft auto`` message measures this machine before its first token (once
+        per model; a minute or more on a CPU): the message shows how far it got, and Stop ends it
+        between two measurements."""
+        engine, previous = self.engine, self.engine.calibration_progress
+
+        def progress(done: int, total: int, stage: str) -> None:
+            if self.bridge.is_cancelled(rid):
+                raise _Cancelled()
+            self.bridge.gen_calibrating.emit(rid, done, total, stage)
+
+        engine.calibration_progress = progress
+        try:
+            yield
+        finally:
+            engine.calibration_progress = previous
 
     @Slot(int, object, object)
     def generate(self, rid: int, prompt: Any, params: dict) -> None:
@@ -289,10 +309,13 @@ class EngineWorker(QObject):
             b.gen_failed.emit(rid, _one_line(err))
 
         try:
-            with serving.tokenizer_lock:  # not while a handler thread settles a new tokenizer (serve/routes.py)
-                serving.batcher_for(self.engine).submit(
+            with serving.tokenizer_lock, self._calibration_shown(rid):  # the lock: not while a handler thread
+                serving.batcher_for(self.engine).submit(  # settles a new tokenizer (serve/routes.py)
                     text, chat_template=use_template, on_chunk=on_chunk, on_error=on_error, on_round=run.on_round,
                     cancel=lambda: b.is_cancelled(rid), **run.kwargs)
+        except _Cancelled:  # Stop while its calibration ran: it never joined
+            b.telemetry.end(("chat", rid), error="cancelled")
+            b.gen_failed.emit(rid, "cancelled")
         except Exception as err:  # a bad setting: refused before it joined
             on_error(err)
         else:

@@ -74,16 +74,12 @@ Progress = Callable[[int, int, str], None]  # (done, total, stage)
 # Learned state per engine (weakly held) and (mode, drafter): the next request starts warm.
 _LEARNED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
-#: Progress callback for a calibration that ``--max-draft auto`` triggers on first use of a pair
-#: (the app or a CLI sets it to show a bar; None measures silently).
-auto_progress: Progress | None = None
-
-
 def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False) -> CapController:
     """``--max-draft auto``: this pair's calibration (from the cache, or measured now) and the
     acceptance learned on earlier requests of this engine. ``seeded``: a fresh state that
-    ignores live timings, so the same seeded request gives the same tokens every time."""
-    cal = calibrate(engine, mode, drafter, progress=auto_progress)
+    ignores live timings, so the same seeded request gives the same tokens every time. A
+    calibration measured here reports to the engine's ``calibration_progress``."""
+    cal = calibrate(engine, mode, drafter, progress=getattr(engine, "calibration_progress", None))
     if seeded:
         return CapController(cal, drafter.max_draft, seeded=True)
     per_engine = _LEARNED.setdefault(engine, {})

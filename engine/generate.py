@@ -255,6 +255,9 @@ class Engine:
         self.lookup_first: bool | None = None  # DSpark/DFlash: None = the registry row's lookup_first
         self.kv_bits: int | None = None  # full-attention K/V quantized to these bits (see set_kv_bits)
         self.notes: list[str] = []  # load-time settings that could not apply here, and why
+        # Hears of a calibration that a first ``--max-draft auto`` request measures (done, total,
+        # stage); a front end shows it (and may raise from it to cancel the request).
+        self.calibration_progress: Callable[[int, int, str], None] | None = None
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.warmed: Any = None  # engine.warmup.Warmed: the shapes a warm-up compiled (a shape policy only)
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
@@ -507,23 +510,7 @@ class Engine:
             if boundaries is None and prefix_cache and self.prefix_cache is not None:
                 boundaries = self._boundaries(prompt, prompt_ids, chat_template, system, template_kwargs)
         sampler = Sampler(params, LogitsProcessor(processing, prompt_ids) if processing.active else None)
-        requested, mode = mode, self.resolve_mode(mode)
-        drafter = self.drafter(mode) if requested != "auto" else self._auto_drafter(mode)
-        # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
-        # baseline and says why; an explicit speculative mode is refused with the reason.
-        reason = modes.speculation_blocker(self) or (drafter.speculation_blocker() if drafter else None)
-        note = None
-        if reason is not None and (drafter is not None or requested == "auto"):
-            if requested != "auto":
-                raise TandemError(f"--mode {mode} cannot run: {reason}; only --mode baseline works")
-            mode, drafter, note = "baseline", None, f"speculation off: {reason}"
-        cap_label: int | str
-        if cap_policy is None:
-            if max_draft is None and requested == "auto":  # auto picks how far to draft too, and when not to
-                max_draft = "auto"
-            cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seed is not None)
-        else:
-            cap_label = getattr(cap_policy, "label", "custom")
+        mode, drafter, cap_policy, cap_label, note = self._decoding(mode, max_draft, cap_policy, seed is not None)
         # Drafts change which random draws a sampled round makes: a seeded sample must not depend
         # on what earlier requests left in the suffix index (greedy output never depends on drafts).
         history = self.history(history_scope)
@@ -598,6 +585,39 @@ class Engine:
             store.remember(plan, stats, drafter)
         except Exception:  # the reply (or the error being raised) matters more than the cache
             log.exception("prefix cache: could not keep this sequence")
+
+    def _decoding(self, mode: str, max_draft: int | str | None, cap_policy: CapPolicy | None, seeded: bool
+                  ) -> tuple[str, Drafter | None, CapPolicy, int | str, str | None]:
+        """(mode, drafter, cap policy, cap label, note) for a request's mode and cap."""
+        requested, mode = mode, self.resolve_mode(mode)
+        drafter = self.drafter(mode) if requested != "auto" else self._auto_drafter(mode)
+        # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
+        # baseline and says why; an explicit speculative mode is refused with the reason.
+        reason = modes.speculation_blocker(self) or (drafter.speculation_blocker() if drafter else None)
+        note = None
+        if reason is not None and (drafter is not None or requested == "auto"):
+            if requested != "auto":
+                raise TandemError(f"--mode {mode} cannot run: {reason}; only --mode baseline works")
+            mode, drafter, note = "baseline", None, f"speculation off: {reason}"
+        if cap_policy is not None:
+            return mode, drafter, cap_policy, getattr(cap_policy, "label", "custom"), note
+        if max_draft is None and requested == "auto":  # auto picks how far to draft too, and when not to
+            max_draft = "auto"
+        cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seeded)
+        return mode, drafter, cap_policy, cap_label, note
+
+    def prepare(self, mode: str = "auto", max_draft: int | str | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Measure now what the first request with this mode and cap would otherwise measure before
+        its first token: the calibration ``--max-draft auto`` prices caps with (once per machine
+        and model, then cached; a minute or more on a CPU). ``progress(done, total, stage)`` hears
+        of it if it runs; nothing runs when it is cached or the cap is fixed."""
+        previous = self.calibration_progress
+        self.calibration_progress = progress or previous
+        try:
+            self._decoding(mode, max_draft, None, False)
+        finally:
+            self.calibration_progress = previous
 
     def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None,
                     seeded: bool = False) -> tuple[CapPolicy, int | str]:

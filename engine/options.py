@@ -74,6 +74,20 @@ def parse_max_draft(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--max-draft takes an integer or 'auto', got '{value}'")
 
 
+def calibrate_first(engine: "Engine", mode: str, max_draft: int | str | None) -> "Engine":
+    """Measure now, with a bar on stderr, the calibration that the first request in ``mode`` would
+    otherwise measure before its first token (``Engine.prepare``: ``--max-draft auto``'s, once per
+    machine and model, then cached). Returns the engine."""
+    from engine.calibrate import tqdm_progress
+
+    progress, close = tqdm_progress("calibrating this machine for speculation (once per model)")  # drawn if it runs
+    try:
+        engine.prepare(mode, max_draft, progress)
+    finally:
+        close()
+    return engine
+
+
 def warm_up(engine: "Engine", modes: list[str], rows: int | None = 1) -> "Engine":
     """Where a backend compiles per shape (CUDA), compile the shapes ``modes`` will use now, for
     batches of up to ``rows`` requests (None: ``--max-batch``'s default), with a progress bar on

@@ -603,3 +603,36 @@ def test_think_toggle_is_offered_where_the_template_has_the_switch_and_saved_per
     assert chat.think.isChecked()  # a new chat starts from the defaults
     chat.open_conversation(cid)
     assert not chat.think.isChecked()
+
+
+def test_a_first_auto_message_shows_its_calibration_and_stop_cancels_it(make_win, qtbot):
+    """On a machine with no calibration of the model, the first ``--max-draft auto`` message
+    measures the machine before its first token: its message says how far that got, Stop ends it
+    between two measurements and leaves the chat as it was, and the next message measures and
+    answers."""
+    win = make_win()
+    chat = win.chat
+    chat.mode.setCurrentText("auto")
+    chat.max_tokens.setValue(4)
+    footers: list[str] = []
+
+    def stop_at_first(rid: int, done: int, total: int, what: str) -> None:
+        footers.append(chat.turn.bubble.footer.text())
+        if len(footers) == 1:
+            chat._send_or_stop()  # the user's Stop, while it measures
+
+    win.bridge.gen_calibrating.connect(stop_at_first)
+    with qtbot.waitSignal(win.bridge.gen_failed, timeout=WAIT_MS) as failed:
+        chat.send("w5 w6 w7")
+    qtbot.waitUntil(lambda: not chat.generating, timeout=WAIT_MS)
+    assert failed.args[1] == "cancelled" and "measuring this machine" in footers[0]
+    assert chat.conv.messages == [] and chat.input.toPlainText() == "w5 w6 w7"
+    win.bridge.gen_calibrating.disconnect(stop_at_first)
+
+    measured = []
+    win.bridge.gen_calibrating.connect(lambda rid, done, total, what: measured.append((done, total)))
+    result = answer(qtbot, win, lambda: chat.send("w5 w6 w7"))
+    assert measured and measured[-1][0] == measured[-1][1] and result["cap"] == "auto"
+    measured.clear()
+    answer(qtbot, win, lambda: chat.send("w8 w9"))  # measured once: the next message starts at once
+    assert not measured

@@ -454,3 +454,38 @@ def test_the_progress_bar_follows_a_total_that_grows():
     (bar,) = [b for b in tqdm._instances if b.desc.startswith("calibrating")]
     assert (bar.n, bar.total) == (12, 14)
     close()
+
+
+def test_a_first_auto_request_tells_its_calibration_and_prepare_measures_it_ahead(cache_dir, monkeypatch, capsys):
+    """A first ``--max-draft auto`` request measures this machine before its first token and tells
+    the engine's ``calibration_progress``; ``Engine.prepare`` measures the same ahead (the server
+    and ``tandem generate`` before the first request), so the request then measures nothing. A
+    fixed cap measures nothing at all."""
+    from engine.options import calibrate_first
+
+    calls = []
+    real_measure = C.measure
+    monkeypatch.setattr(C, "measure", lambda *a, **k: calls.append(1) or real_measure(*a, **k))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7]
+
+    eng = make_tiny_engine(scale=4.0)
+    told = []
+    eng.calibration_progress = lambda done, total, stage: told.append((done, total, stage))
+    eng.generate(prompt, mode="lookup", max_draft="auto", max_new_tokens=8)
+    assert calls == [1] and told and told[-1][0] == told[-1][1]
+    before = len(told)
+    eng.prepare("lookup", "auto", progress=lambda *a: told.append(a))  # cached now: nothing runs
+    assert calls == [1] and len(told) == before
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache_dir / "fresh"))  # another machine's first start
+    eng = make_tiny_engine(scale=4.0)
+    capsys.readouterr()
+    calibrate_first(eng, "lookup", 4)  # a fixed cap: no calibration, no bar
+    assert calls == [1] and "calibrating" not in capsys.readouterr().err
+    calibrate_first(eng, "lookup", "auto")  # the bar `tandem serve` and `tandem generate` draw
+    assert calls == [1, 1] and "calibrating this machine for speculation" in capsys.readouterr().err
+    assert eng.calibration_progress is None  # lent to that call only
+    seen = []
+    eng.calibration_progress = lambda *a: seen.append(a)
+    result = eng.generate(prompt, mode="lookup", max_draft="auto", max_new_tokens=8)
+    assert calls == [1, 1] and not seen and result.cap == "auto"

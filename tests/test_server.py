@@ -667,3 +667,27 @@ def test_output_parser_streamed_thinking_has_no_trailing_whitespace():
     p = OutputParser()
     events = [e for piece in ["<think>", "plan", "\n", "\n", "</think>", "\n\n", "Done", "."] for e in p.feed(piece)]
     assert events + p.finish() == [("thinking", "plan"), ("text", "Done"), ("text", ".")]
+
+
+def test_a_request_that_calibrates_the_machine_on_first_use_is_logged(tmp_path, monkeypatch, caplog):
+    """A request whose ``--max-draft auto`` finds no calibration of its mode measures the machine
+    first, and every request waits for it: the server's log says so while it runs (``tandem
+    serve`` measures its own mode's before it serves). The next such request measures nothing."""
+    import logging
+
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    srv = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, max_context=512).start()
+    try:
+        client = oai(srv.wait_ready(60))
+        ask = {"tandem": {"mode": "lookup", "max_draft": "auto"}}
+        with caplog.at_level(logging.INFO, logger="tandem.server"):
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
+            told = [r.getMessage() for r in caplog.records if "calibrating this machine" in r.getMessage()]
+            assert told and "--max-draft auto (once per model)" in told[0]
+            done, total = told[-1].split(": ")[1].split(",")[0].split("/")
+            assert done == total  # its end is logged, whatever the throttle skipped
+            caplog.clear()
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
+            assert not [r for r in caplog.records if "calibrating" in r.getMessage()]
+    finally:
+        srv.stop()

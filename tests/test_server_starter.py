@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import anthropic
 import openai
@@ -37,8 +38,9 @@ def _load():
 
 
 class _Served:
-    def __init__(self, url: str):
+    def __init__(self, url: str, log: Path):
         self.url = url
+        self.log = log
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def server(tmp_path_factory):
         url = next((m.group(1) for m in re.finditer(r"serving .* at (http://\S+)", log.read_text())), None)
     try:
         assert url, f"tandem serve did not come up:\n{log.read_text()}"
-        yield _Served(url)
+        yield _Served(url, log)
     finally:
         proc.send_signal(signal.SIGTERM)  # the clean stop (same path as Ctrl-C)
         code = proc.wait(60)
@@ -63,6 +65,10 @@ def server(tmp_path_factory):
 
 
 def test_both_sdks_answer_coherently(server):
+    # Its own mode's calibration (a fresh cache: the suite's) is measured before it serves, with a
+    # bar, so no request waits for it.
+    started = server.log.read_text()
+    assert started.index("calibrating this machine for speculation") < started.index("serving ")
     oc = openai.OpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0, timeout=120)
     r = oc.chat.completions.create(model="starter", messages=[{"role": "user", "content": QUESTION}], max_tokens=30)
     answer = r.choices[0].message.content
@@ -82,6 +88,7 @@ def test_both_sdks_answer_coherently(server):
             for mode in ("baseline", "lookup")}
     assert outs["lookup"].choices[0].message.content == outs["baseline"].choices[0].message.content
     assert outs["lookup"].x_tandem["mode"] == "lookup" and outs["baseline"].x_tandem["mode"] == "baseline"
+    assert "a request's --max-draft auto" not in server.log.read_text()
 
 
 # -- load check (by hand) -------------------------------------------------------------------------

@@ -171,6 +171,7 @@ class ChatView(QWidget):
         b.model_loaded.connect(self._on_loaded)
         b.model_failed.connect(self._on_load_failed)
         b.gen_started.connect(self._on_started)
+        b.gen_calibrating.connect(self._on_calibrating)
         b.gen_text.connect(self._on_text)
         b.gen_finished.connect(self._on_finished)
         b.gen_failed.connect(self._on_failed)
@@ -586,6 +587,11 @@ class ChatView(QWidget):
         if self.turn is not None and rid == self.turn.rid:
             self.turn.bubble.set_footer(f"generating · mode {info.get('mode')} · prompt {info.get('prompt_tokens')} "
                                         "tokens", "muted")
+
+    def _on_calibrating(self, rid: int, done: int, total: int, what: str) -> None:
+        if self.turn is not None and rid == self.turn.rid:
+            self.turn.bubble.set_footer(f"measuring this machine for speculative decoding, once per model: "
+                                        f"{100 * done // max(total, 1)} % ({what}) · Stop cancels", "muted")
 
     def _on_text(self, rid: int, text: str) -> None:
         if self.turn is not None and rid == self.turn.rid:

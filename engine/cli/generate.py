@@ -8,8 +8,8 @@ import sys
 from engine.generate import MODES
 from engine.processors import parse_logit_bias
 from engine.serve.chat_format import template_reads
-from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments, load_engine,
-                            parse_max_draft, warm_up)
+from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments,
+                            calibrate_first, load_engine, parse_max_draft, warm_up)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     template_kwargs = {"enable_thinking": False} if args.no_thinking else None
     if args.no_thinking and not template_reads(eng.tokenizer, "enable_thinking"):
         print(f"tandem: --no-thinking: {eng.name}'s chat template has no enable_thinking switch", file=sys.stderr)
+    calibrate_first(eng, args.mode, args.max_draft)  # with a bar, not silently before the first token
     warm_up(eng, [args.mode])
     result = None
     for chunk in eng.stream(prompt, mode=args.mode, max_new_tokens=args.max_new_tokens, max_draft=args.max_draft,

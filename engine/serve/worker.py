@@ -94,6 +94,8 @@ class JobRunner:
         with the host's own requests), else through a new one when ``max_batch`` > 1."""
         self.engine = engine
         self.batcher = batcher
+        if getattr(engine, "calibration_progress", False) is None:  # the host (the app) may show its own
+            engine.calibration_progress = _calibration_log()
         if self.max_batch is None:
             from engine.batching import default_max_batch
 
@@ -256,6 +258,20 @@ class JobRunner:
             current.cancel.set()
         for job in list(self.running):
             job.cancel.set()
+
+
+def _calibration_log(every_s: float = 5.0) -> Callable[[int, int, str], None]:
+    """Logs a calibration that a request's ``--max-draft auto`` measures on first use of a mode
+    (``tandem serve`` measures its own mode's before it serves): every request waits for it."""
+    last = [float("-inf")]
+
+    def progress(done: int, total: int, stage: str) -> None:
+        now = time.monotonic()
+        if now - last[0] >= every_s or done >= total:
+            last[0] = now
+            log.info("calibrating this machine for a request's --max-draft auto (once per model): %d/%d, %s",
+                     done, total, stage)
+    return progress
 
 
 class EngineWorker(JobRunner, threading.Thread):
