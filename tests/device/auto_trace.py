@@ -109,17 +109,21 @@ def main() -> int:
         group = [eng.encode(p) for _, p in prompts]
         arm = Arm(args.mode, "auto")
         run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up: calibration, first shapes
+        base = [run_batched(eng, group, Arm("baseline"), args.max_new_tokens, 0.0, 4)[0]["tok_s"]]
         log.clear()
         decisions.clear()
         summary, _ = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
-        print(f"{cls} {arm.name}: {summary['tok_s']:.1f} tok/s")
+        base.append(run_batched(eng, group, Arm("baseline"), args.max_new_tokens, 0.0, 4)[0]["tok_s"])
+        print(f"{cls} {arm.name}: {summary['tok_s']:.1f} tok/s; the batched baseline before and after it: "
+              f"{base[0]:.1f}, {base[1]:.1f}")
         print(f" batch decisions with a draft asked: {len(decisions)}, cut {sum(d['cut'] for d in decisions)}")
         for d in decisions[:40]:
             print("  ", json.dumps(d))
         for i, entries in enumerate(log.values()):
             print(f" row {i}:")
             print("\n".join(fold(entries)))
-        out[cls] = {"rows": [list(v) for v in log.values()], "decisions": list(decisions)}
+        out[cls] = {"tok_s": summary["tok_s"], "baseline_tok_s": base, "rows": [list(v) for v in log.values()],
+                    "decisions": list(decisions)}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
