@@ -155,11 +155,22 @@ def shape_signature(model: Any, taps: Sequence[int] = ()) -> str:
     return h.hexdigest()[:10]
 
 
+def _named(owner: Any, model: Any, taps: Sequence[int] = ()) -> tuple[str, str]:
+    """``model``'s (precision, shape signature), kept on ``owner`` (its target or drafter): each
+    walks every parameter, a few ms before every ``--max-draft auto`` request's first token, and
+    a loaded model's parameters keep their shapes and dtypes."""
+    memo = owner.__dict__.setdefault("_calibration_names", {})
+    key = (id(model), tuple(taps))
+    if key not in memo:
+        memo[key] = (model_precision(model), shape_signature(model, taps))
+    return memo[key]
+
+
 def _target_id(engine: EngineLike) -> str:
     loaded = getattr(engine, "loaded", None)
     path = getattr(loaded, "path", None)
     base = Path(str(path)).name if path else engine.name
-    return f"{base}#{shape_signature(engine.target.model, engine.target.tap_layers)}"
+    return f"{base}#{_named(engine.target, engine.target.model, engine.target.tap_layers)[1]}"
 
 
 def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
@@ -169,8 +180,8 @@ def _drafter_id(engine: EngineLike, mode: str, drafter: Drafter) -> str:
         parts.append(Path(str(spec)).name)
     model = getattr(drafter, "model", None)
     if drafter.has_model and model is not None and hasattr(model, "parameters"):
-        parts.append(shape_signature(model))
-        parts.append(model_precision(model))
+        precision, signature = _named(drafter, model)
+        parts += [signature, precision]
     return ":".join(parts)
 
 
@@ -184,7 +195,8 @@ def _target_fields(engine: EngineLike) -> dict:
     return {
         "schema": SCHEMA, "device": platform.device_name(), "mlx": mx.__version__,
         "backend": "+".join(filter(None, (platform.backend(), platform.skinny_label()))),  # cheaper narrow forwards
-        "precision": model_precision(engine.target.model), "target": _target_id(engine),
+        "precision": _named(engine.target, engine.target.model, engine.target.tap_layers)[0],
+        "target": _target_id(engine),
     }
 
 

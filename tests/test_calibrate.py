@@ -139,6 +139,20 @@ def test_cache_key_changes_with_every_field(tiny_llama, monkeypatch):
     assert "backend=metal" in key()
 
 
+def test_the_key_walks_a_models_weights_once(monkeypatch):
+    """Naming the target and the drafter walks every parameter: done once per loaded model (and
+    tap layout), not before every ``--max-draft auto`` request's first token."""
+    walks = []
+    real = C.model_precision
+    monkeypatch.setattr(C, "model_precision", lambda model: walks.append(model) or real(model))
+    eng = make_tiny_engine(seed=3)
+    drafter = eng.drafter("lookup")
+    first = C.calibration_key(eng, "lookup", drafter)
+    assert C.calibration_key(eng, "lookup", drafter) == first and walks == [eng.model]
+    eng.target.set_taps([0, 1])  # another tap layout: named again, to the same key (taps cost nothing)
+    assert C.calibration_key(eng, "lookup", drafter) == first and walks == [eng.model, eng.model]
+
+
 def test_quantized_precision_is_named(tiny_llama):
     import mlx.nn as nn
 
