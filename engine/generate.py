@@ -258,6 +258,11 @@ class Engine:
         # Hears of a calibration that a first ``--max-draft auto`` request measures (done, total,
         # stage); a front end shows it (and may raise from it to cancel the request).
         self.calibration_progress: Callable[[int, int, str], None] | None = None
+        # False (a server): a request whose --max-draft auto finds no calibration drafts at the
+        # mode's fixed cap instead of measuring first, and its mode waits in ``uncalibrated`` for
+        # ``prepare`` (the server measures while idle)
+        self.calibrate_on_request = True
+        self.uncalibrated: dict[str, None] = {}  # modes as requested ("auto", "lookup", ...), oldest first
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
         self.warmed: Any = None  # engine.warmup.Warmed: the shapes a warm-up compiled (a shape policy only)
         self.prefix_cache: PrefixCache | None = PrefixCache()  # None: every prompt prefills from token 0
@@ -603,6 +608,15 @@ class Engine:
             return mode, drafter, cap_policy, getattr(cap_policy, "label", "custom"), note
         if max_draft is None and requested == "auto":  # auto picks how far to draft too, and when not to
             max_draft = "auto"
+        # A seeded request measures it now all the same: its caps, and so its sample, must not
+        # depend on whether the server had measured it yet
+        if (max_draft == "auto" and drafter is not None and not self.calibrate_on_request and not seeded
+                and not modes.calibrated(self, mode, drafter)):
+            self.uncalibrated.setdefault(requested)
+            cap = self.default_cap(mode, drafter)
+            waits = (f"--max-draft auto: {mode} is not calibrated on this machine yet (it is measured while "
+                     f"the server is idle); a fixed cap of {cap} until then")
+            return mode, drafter, FixedCap(cap), cap, f"{note}; {waits}" if note else waits
         cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seeded)
         return mode, drafter, cap_policy, cap_label, note
 
@@ -611,13 +625,25 @@ class Engine:
         """Measure now what the first request with this mode and cap would otherwise measure before
         its first token: the calibration ``--max-draft auto`` prices caps with (once per machine
         and model, then cached; a minute or more on a CPU). ``progress(done, total, stage)`` hears
-        of it if it runs; nothing runs when it is cached or the cap is fixed."""
-        previous = self.calibration_progress
-        self.calibration_progress = progress or previous
+        of it if it runs (it may raise to stop the measurement: nothing is kept); nothing runs when
+        it is cached or the cap is fixed."""
+        previous, inline = self.calibration_progress, self.calibrate_on_request
+        self.calibration_progress, self.calibrate_on_request = progress or previous, True
         try:
             self._decoding(mode, max_draft, None, False)
+            self.uncalibrated.pop(mode, None)
         finally:
-            self.calibration_progress = previous
+            self.calibration_progress, self.calibrate_on_request = previous, inline
+
+    def defer_calibration(self, mode: str = "auto", max_draft: int | str | None = None) -> None:
+        """From now on a request whose ``--max-draft auto`` finds no calibration drafts at the
+        mode's fixed cap and says so, and its mode waits in ``uncalibrated`` for ``prepare`` (a
+        server measures between requests, so none waits for it); this mode's waits already."""
+        self.calibrate_on_request = False
+        try:
+            self._decoding(mode, max_draft, None, False)
+        except TandemError:  # a mode this model cannot run: its requests are refused with the reason
+            pass
 
     def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None,
                     seeded: bool = False) -> tuple[CapPolicy, int | str]:

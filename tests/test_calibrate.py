@@ -472,9 +472,9 @@ def test_the_progress_bar_follows_a_total_that_grows():
 
 def test_a_first_auto_request_tells_its_calibration_and_prepare_measures_it_ahead(cache_dir, monkeypatch, capsys):
     """A first ``--max-draft auto`` request measures this machine before its first token and tells
-    the engine's ``calibration_progress``; ``Engine.prepare`` measures the same ahead (the server
-    and ``tandem generate`` before the first request), so the request then measures nothing. A
-    fixed cap measures nothing at all."""
+    the engine's ``calibration_progress``; ``Engine.prepare`` measures the same ahead (``tandem
+    generate`` before the first token, a server between requests), so the request then measures
+    nothing. A fixed cap measures nothing at all."""
     from engine.options import calibrate_first
 
     calls = []
@@ -496,7 +496,7 @@ def test_a_first_auto_request_tells_its_calibration_and_prepare_measures_it_ahea
     capsys.readouterr()
     calibrate_first(eng, "lookup", 4)  # a fixed cap: no calibration, no bar
     assert calls == [1] and "calibrating" not in capsys.readouterr().err
-    calibrate_first(eng, "lookup", "auto")  # the bar `tandem serve` and `tandem generate` draw
+    calibrate_first(eng, "lookup", "auto")  # the bar `tandem generate` draws
     assert calls == [1, 1] and "calibrating this machine for speculation" in capsys.readouterr().err
     assert eng.calibration_progress is None  # lent to that call only
     seen = []

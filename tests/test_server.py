@@ -669,25 +669,62 @@ def test_output_parser_streamed_thinking_has_no_trailing_whitespace():
     assert events + p.finish() == [("thinking", "plan"), ("text", "Done"), ("text", ".")]
 
 
-def test_a_request_that_calibrates_the_machine_on_first_use_is_logged(tmp_path, monkeypatch, caplog):
-    """A request whose ``--max-draft auto`` finds no calibration of its mode measures the machine
-    first, and every request waits for it: the server's log says so while it runs (``tandem
-    serve`` measures its own mode's before it serves). The next such request measures nothing."""
+@pytest.mark.parametrize("max_batch", [1, 3])  # one request at a time, and batched: two loops
+def test_no_request_waits_for_a_calibration_the_server_measures_it_between_requests(max_batch, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """On a machine with no calibration of the model, ``--max-draft auto`` requests draft at the
+    mode's fixed cap and say why, while the server measures the calibration whenever it is idle;
+    a request that arrives meanwhile stops the measurement (it starts again when the server is
+    idle) and is answered at once. Once measured, auto requests use it."""
     import logging
 
+    from engine import calibrate
+
     monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
-    srv = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, max_context=512).start()
+    measuring = threading.Event()
+    real_measure = calibrate.measure
+
+    def measure(*args, progress=None, **kwargs):
+        measuring.set()
+        return real_measure(*args, progress=progress, **kwargs)
+
+    monkeypatch.setattr(calibrate, "measure", measure)
+    srv = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, max_context=512,
+                      max_batch=max_batch, calibrate_while_idle=True).start()  # as tandem serve
     try:
         client = oai(srv.wait_ready(60))
         ask = {"tandem": {"mode": "lookup", "max_draft": "auto"}}
         with caplog.at_level(logging.INFO, logger="tandem.server"):
-            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
-            told = [r.getMessage() for r in caplog.records if "calibrating this machine" in r.getMessage()]
-            assert told and "--max-draft auto (once per model)" in told[0]
-            done, total = told[-1].split(": ")[1].split(",")[0].split("/")
-            assert done == total  # its end is logged, whatever the throttle skipped
-            caplog.clear()
-            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
-            assert not [r for r in caplog.records if "calibrating" in r.getMessage()]
+            assert measuring.wait(60)  # the server's own mode (auto), as soon as it is idle
+            first = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
+            assert isinstance(first.x_tandem["cap"], int) and "not calibrated" in first.x_tandem["note"]
+            messages = lambda: [r.getMessage() for r in caplog.records]  # noqa: E731
+            assert any("paused for a request" in m for m in messages())
+            deadline = time.monotonic() + 120
+            while not any("calibrated mode lookup" in m for m in messages()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            later = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, extra_body=ask)
+            assert later.x_tandem["cap"] == "auto" and not later.x_tandem["note"]
+            assert any("calibrated mode auto" in m for m in messages())
+            assert not any("a request's --max-draft auto" in m for m in messages())  # nobody measured inline
+    finally:
+        srv.stop()
+
+
+def test_a_seeded_auto_request_measures_its_calibration_so_its_sample_never_depends_on_it(tmp_path, monkeypatch):
+    """A seeded request's caps, and so its sample, come from the calibration: where the server
+    measures calibrations between requests, a seeded ``--max-draft auto`` request still measures
+    its own first instead of drafting at a fixed cap, and gives the same tokens every time."""
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(tmp_path))
+    srv = make_server(lambda: make_tiny_engine("llama", seed=0, scale=4.0), port=0, max_context=512,
+                      calibrate_while_idle=True).start()
+    try:
+        client = oai(srv.wait_ready(60))
+        ask = dict(model="tiny", messages=CHAT, max_tokens=12, temperature=0.9, seed=7,
+                   extra_body={"tandem": {"mode": "lookup", "max_draft": "auto"}})
+        first = client.chat.completions.create(**ask)
+        assert first.x_tandem["cap"] == "auto" and not first.x_tandem["note"]
+        again = client.chat.completions.create(**ask)
+        assert again.choices[0].message.content == first.choices[0].message.content
     finally:
         srv.stop()

@@ -14,7 +14,7 @@ from typing import Any
 from engine.errors import TandemError
 from engine.generate import MODES
 from engine.options import (add_model_arguments, add_prefix_cache_arguments, add_sampling_arguments,
-                            calibrate_first, check_prefix_cache_arguments, load_engine, parse_max_draft, warm_up)
+                            check_prefix_cache_arguments, load_engine, parse_max_draft, warm_up)
 from engine.batching import DEFAULT_MAX_BATCH
 from engine.serve.server import ServerConfig, TandemServer
 from engine.serve.worker import DEFAULT_MAX_QUEUE
@@ -125,12 +125,13 @@ def run(args: argparse.Namespace) -> int:
                           max_context=args.max_context, keepalive_s=args.keepalive, model_name=args.served_name,
                           allow_hosts=tuple(args.allow_host), allow_origins=tuple(args.allow_origin),
                           max_batch=args.max_batch, max_queue=args.max_queue,
-                          allow_image_urls=args.allow_image_urls, thinking=False if args.no_thinking else None)
+                          allow_image_urls=args.allow_image_urls, thinking=False if args.no_thinking else None,
+                          calibrate_while_idle=True)
 
-    def engine() -> Any:  # the first request finds the calibration made and the shapes compiled
-        return warm_up(calibrate_first(load_engine(args), args.mode, args.max_draft), [args.mode], args.max_batch)
-
-    server = TandemServer(engine, args.host, args.port, api_key, config)
+    # Shapes are compiled before the first request; --max-draft auto's calibration is measured
+    # while the server is idle (engine/serve/worker.py), so no request waits for it.
+    server = TandemServer(lambda: warm_up(load_engine(args), [args.mode], args.max_batch), args.host, args.port,
+                          api_key, config)
 
     def on_term(signum: int, frame: Any) -> None:  # a service manager's stop: same clean exit as Ctrl-C
         raise KeyboardInterrupt()

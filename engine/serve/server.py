@@ -81,6 +81,9 @@ class ServerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond it get 503 with Retry-After
     allow_image_urls: bool = False  # fetch http(s) image URLs named in requests (off: data URLs only)
     thinking: bool | None = None  # enable_thinking for templates with the switch unless a request says; None: theirs
+    # --max-draft auto's calibration measured between requests, none waiting for it (tandem serve);
+    # False: the first request that needs it measures it
+    calibrate_while_idle: bool = False
 
 
 def model_context(engine: Any) -> int | None:
@@ -119,7 +122,9 @@ class TandemServer:
             self.metrics = Metrics()
             self.events = EventHub(self.metrics)
             self.worker = EngineWorker(engine_factory, self.events, self.metrics, max_batch=self.config.max_batch,
-                                       max_queue=self.config.max_queue)
+                                       max_queue=self.config.max_queue,
+                                       default_decoding=(self.config.mode, self.config.max_draft)
+                                       if self.config.calibrate_while_idle else None)
         self.tokenizer_lock = threading.Lock()  # only for the tokenizer's first use (routes.Handler._tokenizer)
         self.settled_tokenizer: Any = None
         self.started_at = time.time()

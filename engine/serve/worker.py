@@ -94,8 +94,8 @@ class JobRunner:
         with the host's own requests), else through a new one when ``max_batch`` > 1."""
         self.engine = engine
         self.batcher = batcher
-        if getattr(engine, "calibration_progress", False) is None:  # the host (the app) may show its own
-            engine.calibration_progress = _calibration_log()
+        if getattr(engine, "calibration_progress", False) is None:  # the app shows its chat's own
+            engine.calibration_progress = _calibration_log()  # its server's requests may still measure
         if self.max_batch is None:
             from engine.batching import default_max_batch
 
@@ -260,9 +260,14 @@ class JobRunner:
             job.cancel.set()
 
 
+class _JobWaiting(Exception):
+    """A request arrived while the engine thread measured a calibration between requests."""
+
+
 def _calibration_log(every_s: float = 5.0) -> Callable[[int, int, str], None]:
     """Logs a calibration that a request's ``--max-draft auto`` measures on first use of a mode
-    (``tandem serve`` measures its own mode's before it serves): every request waits for it."""
+    where the host lets requests measure (the app's server; ``tandem serve`` measures between
+    requests instead): every request waits for it."""
     last = [float("-inf")]
 
     def progress(done: int, total: int, stage: str) -> None:
@@ -279,15 +284,21 @@ class EngineWorker(JobRunner, threading.Thread):
     the jobs: batched with ``max_batch`` > 1, else one at a time."""
 
     def __init__(self, engine_factory: Callable[[], Any], events: EventHub, metrics: Metrics,
-                 max_batch: int | None = 1, max_queue: int = DEFAULT_MAX_QUEUE):
+                 max_batch: int | None = 1, max_queue: int = DEFAULT_MAX_QUEUE,
+                 default_decoding: tuple[str, int | str | None] | None = None):
         JobRunner.__init__(self, events, metrics, max_batch, max_queue)
         threading.Thread.__init__(self, name="tandem-engine", daemon=True)
         self.factory = engine_factory
+        # the server's mode and cap: calibrations are measured between requests, this one's first
+        # (None: a request that needs one measures it)
+        self.default_decoding = default_decoding
 
     def run(self) -> None:
         try:
             try:
                 self.attach(self.factory())
+                if self.default_decoding is not None and hasattr(self.engine, "defer_calibration"):
+                    self.engine.defer_calibration(*self.default_decoding)  # no request waits for one
             except Exception as e:  # TandemError and anything else: the server reports it, never dies
                 self.engine = None
                 self.load_error = str(e) if isinstance(e, TandemError) else f"{type(e).__name__}: {e}"
@@ -297,8 +308,14 @@ class EngineWorker(JobRunner, threading.Thread):
             if self.batcher is not None:
                 self._run_batched()
                 return
+            ahead = None
             while self.engine is not None:
-                job = self.jobs.get()
+                ahead = ahead or self._calibration_ahead()
+                try:
+                    job = self.jobs.get(timeout=IDLE_WARM_S if ahead is not None else None)
+                except queue.Empty:
+                    ahead = self._warm_step(ahead)  # idle: one step, then look for a job again
+                    continue
                 if job is None:
                     return
                 self.metrics.gauge("queued", -1)
@@ -330,7 +347,7 @@ class EngineWorker(JobRunner, threading.Thread):
             block = not batcher.busy
             while True:
                 if block and ahead is None:
-                    ahead = self._shapes_ahead()
+                    ahead = self._calibration_ahead() or self._shapes_ahead()
                 try:
                     job = self.jobs.get(block=block, timeout=IDLE_WARM_S if block and ahead is not None else None)
                 except queue.Empty:
@@ -359,6 +376,42 @@ class EngineWorker(JobRunner, threading.Thread):
         if stage is not None:
             log.debug("idle warm-up: %s", stage)
         return ahead if stage is not None else None
+
+    def _calibration_ahead(self) -> Iterator[str] | None:
+        """The calibrations requests skipped (``Engine.uncalibrated``: theirs drafted at a fixed
+        cap), measured while nothing runs, or None when there are none. A request that arrives
+        stops the measurement at its next step; it starts again at the next idle moment."""
+        engine = self.engine
+        return self._calibrations(engine) if getattr(engine, "uncalibrated", None) else None
+
+    def _calibrations(self, engine: Any) -> Iterator[str]:
+        while engine.uncalibrated:
+            mode = next(iter(engine.uncalibrated))
+            log.info("calibrating --max-draft auto for mode %s while idle (once per machine and model)", mode)
+            try:
+                engine.prepare(mode, "auto", self._idle_progress(mode))
+            except _JobWaiting:
+                log.info("calibration of mode %s paused for a request: it starts again when the server is idle", mode)
+                yield "calibration paused"
+                continue
+            except Exception as e:  # never take the engine thread down: the mode keeps its fixed cap
+                log.warning("calibration of mode %s failed (%s: %s): its requests keep a fixed cap",
+                            mode, type(e).__name__, e)
+                engine.uncalibrated.pop(mode, None)
+                continue
+            log.info("calibrated mode %s: its --max-draft auto requests use it from now on", mode)
+            yield "calibrated"
+
+    def _idle_progress(self, mode: str, every_s: float = 10.0) -> Callable[[int, int, str], None]:
+        last = [time.monotonic()]
+
+        def progress(done: int, total: int, stage: str) -> None:
+            if not self.jobs.empty():
+                raise _JobWaiting()
+            if time.monotonic() - last[0] >= every_s:
+                last[0] = time.monotonic()
+                log.info("calibrating mode %s: %d/%d, %s", mode, done, total, stage)
+        return progress
 
     def _shapes_ahead(self) -> Iterator[str] | None:
         """Under a shape policy (CUDA), the shapes of the KV capacities from the warm-up's up to one
