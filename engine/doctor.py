@@ -110,12 +110,26 @@ def model_rows(engine) -> list[tuple[str, str]]:
         rows.append(("CPU matmuls", _cpu_matmuls_row(engine)))
     if engine.kv_bits:
         rows.append(("KV bits", str(engine.kv_bits)))
+    rows.append(("Calibration", _calibration_row(engine)))
     rows += [("Note", note) for note in engine.notes]
     if (norms := _mtp_norms_row(engine)) is not None:
         rows.append(("MTP norms", norms))
     for mode, reason in engine.mode_support().items():
         rows.append((f"--mode {mode}", "runs" if reason is None else reason))
     return rows
+
+
+def _calibration_row(engine) -> str:
+    """Which drafters ``--max-draft auto`` finds calibrated for this model on this machine."""
+    from engine.calibrate import target_calibrations
+    from engine.cost_model import static_cap
+
+    found = sorted(target_calibrations(engine), key=lambda cal: cal.created)
+    if not found:
+        return ("none on this machine yet: a first --max-draft auto request measures it (tandem serve: "
+                "between requests), or tandem calibrate --mode MODE now")
+    return ", ".join(f"{cal.fields['drafter'].split(':')[0]} (default cap {static_cap(cal)}, measured "
+                     f"{time.strftime('%Y-%m-%d', time.localtime(cal.created))})" for cal in found)
 
 
 def _mtp_norms_row(engine) -> str | None:

@@ -503,3 +503,12 @@ def test_a_first_auto_request_tells_its_calibration_and_prepare_measures_it_ahea
     eng.calibration_progress = lambda *a: seen.append(a)
     result = eng.generate(prompt, mode="lookup", max_draft="auto", max_new_tokens=8)
     assert calls == [1, 1] and not seen and result.cap == "auto"
+
+
+def test_doctor_says_which_drafters_are_calibrated_here(cache_dir):
+    from engine.doctor import model_rows
+
+    eng = make_tiny_engine(seed=6)
+    assert dict(model_rows(eng))["Calibration"].startswith("none on this machine yet")
+    cal = C.calibrate(eng, "lookup", passes=1, overhead_rounds=4, context=128)
+    assert dict(model_rows(eng))["Calibration"].startswith(f"lookup (default cap {M.static_cap(cal)}, measured 20")
