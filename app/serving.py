@@ -10,7 +10,10 @@ work remains.
 
 Same defaults as ``tandem serve``: 127.0.0.1 only, Host and Origin checks against web pages
 (engine.serve.http), an optional API key. Switching it off closes the port (new connections are
-refused) and the requests in flight are answered to the end.
+refused) and the requests in flight are answered to the end. While it is on, a server request
+whose ``--max-draft auto`` finds this machine uncalibrated drafts at the mode's fixed cap and says
+so (no client waits a minute for a measurement); a chat message in that mode measures it, with its
+progress shown and Stop to cancel, and the Telemetry tab's Calibrate does too.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class Serving:
         if self.server is not None:
             self.stop()
         self.batcher_for(engine)
+        engine.calibrate_on_request = False  # a server request never makes the others wait (below)
         server = TandemServer(None, HOST, port, api_key, ServerConfig(max_batch=self.runner.max_batch),
                               runner=self.runner)
         server.tokenizer_lock = self.tokenizer_lock
@@ -89,6 +93,8 @@ class Serving:
         server, self.server = self.server, None
         if server is not None:
             server.stop()
+        if self.runner.engine is not None:
+            self.runner.engine.calibrate_on_request = True
 
     # -- driving the batch ------------------------------------------------------------------------
     def pump(self) -> bool:
@@ -117,6 +123,7 @@ class Serving:
             self.runner.ready.set()
         else:
             self.runner.attach(engine)
+        engine.calibrate_on_request = not self.on
 
     def shutdown(self) -> None:
         """The app is closing: close the port, cancel everything and let the batch say so."""

@@ -247,18 +247,20 @@ class EngineWorker(QObject):
         """A first ``--max-draft auto`` message measures this machine before its first token (once
         per model; a minute or more on a CPU): the message shows how far it got, and Stop ends it
         between two measurements."""
-        engine, previous = self.engine, self.engine.calibration_progress
+        engine = self.engine
+        previous, inline = engine.calibration_progress, engine.calibrate_on_request
 
         def progress(done: int, total: int, stage: str) -> None:
             if self.bridge.is_cancelled(rid):
                 raise _Cancelled()
             self.bridge.gen_calibrating.emit(rid, done, total, stage)
 
-        engine.calibration_progress = progress
+        # the user's own message measures, visibly, where the app's server requests do not
+        engine.calibration_progress, engine.calibrate_on_request = progress, True
         try:
             yield
         finally:
-            engine.calibration_progress = previous
+            engine.calibration_progress, engine.calibrate_on_request = previous, inline
 
     @Slot(int, object, object)
     def generate(self, rid: int, prompt: Any, params: dict) -> None:

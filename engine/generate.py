@@ -260,7 +260,7 @@ class Engine:
         self.calibration_progress: Callable[[int, int, str], None] | None = None
         # False (a server): a request whose --max-draft auto finds no calibration drafts at the
         # mode's fixed cap instead of measuring first, and its mode waits in ``uncalibrated`` for
-        # ``prepare`` (the server measures while idle)
+        # ``prepare`` (tandem serve measures while idle; the app, when a chat message needs it)
         self.calibrate_on_request = True
         self.uncalibrated: dict[str, None] = {}  # modes as requested ("auto", "lookup", ...), oldest first
         self.cpu_matmuls: Any = None  # engine.cpu_matmuls.Choice: on the CPU backend, which matmuls were picked
@@ -614,10 +614,11 @@ class Engine:
                 and not modes.calibrated(self, mode, drafter)):
             self.uncalibrated.setdefault(requested)
             cap = self.default_cap(mode, drafter)
-            waits = (f"--max-draft auto: {mode} is not calibrated on this machine yet (it is measured while "
-                     f"the server is idle); a fixed cap of {cap} until then")
+            waits = f"--max-draft auto: {mode} is not calibrated on this machine yet; a fixed cap of {cap} until it is"
             return mode, drafter, FixedCap(cap), cap, f"{note}; {waits}" if note else waits
         cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seeded)
+        if max_draft == "auto":
+            self.uncalibrated.pop(requested, None)  # measured now if it was not
         return mode, drafter, cap_policy, cap_label, note
 
     def prepare(self, mode: str = "auto", max_draft: int | str | None = None,

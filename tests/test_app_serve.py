@@ -319,3 +319,34 @@ def test_telemetry_keeps_each_requests_rounds_and_follows_the_newest():
     rows = tel.snapshot().requests
     assert len(rows) == MAX_REQUESTS and rows[0]["label"] == "server: OpenAI chat"
     assert rows[-1]["label"] == f"chat {MAX_REQUESTS + 4}" and all(r["label"] != "chat | lookup" for r in rows)
+
+
+def test_server_requests_never_wait_for_a_calibration_a_chat_message_measures_it(win, qtbot):
+    """While the app serves, a server request whose --max-draft auto finds this machine
+    uncalibrated drafts at the mode's fixed cap and says so, instead of making the chat and every
+    other client wait for a measurement; a chat message in that mode measures it, showing how far
+    it got, and the server's requests use it from then on."""
+    state = switch(qtbot, win, True)
+    ask = dict(model="tiny", messages=AGENT, max_tokens=6, temperature=0, extra_body={"tandem": {"mode": "auto"}})
+
+    def answered() -> dict:
+        out: dict = {}
+        thread = threading.Thread(target=lambda: out.update(r=client(state).chat.completions.create(**ask)), daemon=True)
+        thread.start()
+        qtbot.waitUntil(lambda: not thread.is_alive(), timeout=WAIT_MS)
+        return out["r"].x_tandem
+
+    first = answered()
+    assert isinstance(first["cap"], int) and "not calibrated on this machine yet" in first["note"]
+    measured: list = []
+    win.bridge.gen_calibrating.connect(lambda rid, done, total, what: measured.append((done, total)))
+    c = win.chat
+    c.new_chat()
+    c.mode.setCurrentText("auto")
+    c.max_tokens.setValue(4)
+    with qtbot.waitSignal(win.bridge.gen_finished, timeout=WAIT_MS) as sig:
+        assert c.send(CHAT) is not None
+    assert measured and measured[-1][0] == measured[-1][1] and sig.args[1]["cap"] == "auto"
+    later = answered()
+    assert later["cap"] == "auto" and not later["note"]
+    switch(qtbot, win, False)

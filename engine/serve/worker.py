@@ -94,8 +94,8 @@ class JobRunner:
         with the host's own requests), else through a new one when ``max_batch`` > 1."""
         self.engine = engine
         self.batcher = batcher
-        if getattr(engine, "calibration_progress", False) is None:  # the app shows its chat's own
-            engine.calibration_progress = _calibration_log()  # its server's requests may still measure
+        if getattr(engine, "calibration_progress", False) is None:  # a request that measures (a seeded
+            engine.calibration_progress = _calibration_log()  # one, or any where requests may) is logged
         if self.max_batch is None:
             from engine.batching import default_max_batch
 
