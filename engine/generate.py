@@ -593,7 +593,10 @@ class Engine:
 
     def _decoding(self, mode: str, max_draft: int | str | None, cap_policy: CapPolicy | None, seeded: bool
                   ) -> tuple[str, Drafter | None, CapPolicy, int | str, str | None]:
-        """(mode, drafter, cap policy, cap label, note) for a request's mode and cap."""
+        """(mode, drafter, cap policy, cap label, note) for a request's mode and cap. ``--max-draft
+        auto`` measures this machine's calibration first if it has none, unless requests may not
+        (``calibrate_on_request``): then an unseeded request drafts at the mode's fixed cap, with a
+        note, and its mode joins ``uncalibrated``."""
         requested, mode = mode, self.resolve_mode(mode)
         drafter = self.drafter(mode) if requested != "auto" else self._auto_drafter(mode)
         # A cache the engine cannot roll back (the target's or a draft model's): --mode auto runs
