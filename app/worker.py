@@ -255,12 +255,20 @@ class EngineWorker(QObject):
                 raise _Cancelled()
             self.bridge.gen_calibrating.emit(rid, done, total, stage)
 
+        measured: list[int] = []
+
+        def shown(done: int, total: int, stage: str) -> None:
+            measured.append(done)
+            progress(done, total, stage)
+
         # the user's own message measures, visibly, where the app's server requests do not
-        engine.calibration_progress, engine.calibrate_on_request = progress, True
+        engine.calibration_progress, engine.calibrate_on_request = shown, True
         try:
             yield
         finally:
             engine.calibration_progress, engine.calibrate_on_request = previous, inline
+            if measured:  # the Telemetry tab's curves and roofline, from the calibration just made
+                self._after_load(engine, {})
 
     @Slot(int, object, object)
     def generate(self, rid: int, prompt: Any, params: dict) -> None:

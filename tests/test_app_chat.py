@@ -631,8 +631,10 @@ def test_a_first_auto_message_shows_its_calibration_and_stop_cancels_it(make_win
 
     measured = []
     win.bridge.gen_calibrating.connect(lambda rid, done, total, what: measured.append((done, total)))
+    assert win.bridge.telemetry.calibration is None  # nothing measured on this machine yet
     result = answer(qtbot, win, lambda: chat.send("w5 w6 w7"))
     assert measured and measured[-1][0] == measured[-1][1] and result["cap"] == "auto"
+    assert win.bridge.telemetry.calibration["verify_ms"]  # the Telemetry tab plots what was measured
     measured.clear()
     answer(qtbot, win, lambda: chat.send("w8 w9"))  # measured once: the next message starts at once
     assert not measured
