@@ -74,12 +74,17 @@ Progress = Callable[[int, int, str], None]  # (done, total, stage)
 # Learned state per engine (weakly held) and (mode, drafter): the next request starts warm.
 _LEARNED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
-def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False) -> CapController:
+def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False,
+                    cached_only: bool = False) -> CapController | None:
     """``--max-draft auto``: this pair's calibration (from the cache, or measured now) and the
     acceptance learned on earlier requests of this engine. ``seeded``: a fresh state that
     ignores live timings, so the same seeded request gives the same tokens every time. A
-    calibration measured here reports to the engine's ``calibration_progress``."""
-    cal = calibrate(engine, mode, drafter, progress=getattr(engine, "calibration_progress", None))
+    calibration measured here reports to the engine's ``calibration_progress``; ``cached_only``:
+    None where this machine has none (nothing is measured)."""
+    cal = calibrate(engine, mode, drafter, progress=getattr(engine, "calibration_progress", None),
+                    cached_only=cached_only)
+    if cal is None:
+        return None
     if seeded:
         return CapController(cal, drafter.max_draft, seeded=True)
     per_engine = _LEARNED.setdefault(engine, {})
@@ -501,10 +506,12 @@ def tune_cut(cal: Calibration, trace: Sequence[tuple[list[float], int]], default
 
 def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None = None, *, recalibrate: bool = False,
               progress: Progress | None = None, passes: int = PASSES, context: int = CONTEXT,
-              overhead_rounds: int = OVERHEAD_ROUNDS, long_context: int | None = None) -> Calibration:
+              overhead_rounds: int = OVERHEAD_ROUNDS, long_context: int | None = None,
+              cached_only: bool = False) -> Calibration | None:
     """This pair's calibration: from the cache unless ``recalibrate``, else measured (seconds)
-    and cached. ``progress(done, total, stage)`` reports the measurement. ``long_context``: the
-    context the costs are measured at again (default ``LONG_CONTEXT`` x ``context``; 0: not)."""
+    and cached; ``cached_only``: None instead of measuring. ``progress(done, total, stage)``
+    reports the measurement. ``long_context``: the context the costs are measured at again
+    (default ``LONG_CONTEXT`` x ``context``; 0: not)."""
     if drafter is None:
         drafter = engine.drafter(mode)
     if drafter is None:
@@ -518,6 +525,8 @@ def calibrate(engine: EngineLike, mode: str = "lookup", drafter: Drafter | None 
         if cached is not None:
             apply_cut(drafter, cached)
             return cached
+    if cached_only:
+        return None
     cal = measure(engine, drafter, fields, progress=progress, passes=passes, context=context,
                   overhead_rounds=overhead_rounds, long_context=long_context)
     save(cal)

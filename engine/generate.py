@@ -613,13 +613,13 @@ class Engine:
             max_draft = "auto"
         # A seeded request measures it now all the same: its caps, and so its sample, must not
         # depend on whether the server had measured it yet
-        if (max_draft == "auto" and drafter is not None and not self.calibrate_on_request and not seeded
-                and not modes.calibrated(self, mode, drafter)):
+        cached_only = not self.calibrate_on_request and not seeded
+        cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seeded, cached_only=cached_only)
+        if cap_policy is None:  # --max-draft auto, no calibration here, and this request may not measure it
             self.uncalibrated.setdefault(requested)
             cap = self.default_cap(mode, drafter)
             waits = f"--max-draft auto: {mode} is not calibrated on this machine yet; a fixed cap of {cap} until it is"
             return mode, drafter, FixedCap(cap), cap, f"{note}; {waits}" if note else waits
-        cap_policy, cap_label = self._cap_policy(mode, drafter, max_draft, seeded=seeded)
         if max_draft == "auto":
             self.uncalibrated.pop(requested, None)  # measured now if it was not
         return mode, drafter, cap_policy, cap_label, note
@@ -635,7 +635,6 @@ class Engine:
         self.calibration_progress, self.calibrate_on_request = progress or previous, True
         try:
             self._decoding(mode, max_draft, None, False)
-            self.uncalibrated.pop(mode, None)
         finally:
             self.calibration_progress, self.calibrate_on_request = previous, inline
 
@@ -650,14 +649,16 @@ class Engine:
             pass
 
     def _cap_policy(self, mode: str, drafter: Drafter | None, max_draft: int | str | None,
-                    seeded: bool = False) -> tuple[CapPolicy, int | str]:
+                    seeded: bool = False, cached_only: bool = False) -> tuple[CapPolicy | None, int | str]:
+        """The cap policy and its label; ``cached_only``: no auto policy (None) where this machine
+        has no calibration to price it with."""
         if drafter is None:
             return FixedCap(0), 0
         if max_draft is None:
             cap = self.default_cap(mode, drafter)
             return FixedCap(cap), cap
         if max_draft == "auto":  # seeded: caps from the calibration and acceptance only (reproducible)
-            return modes.auto_cap_policy(self, mode, drafter, seeded=seeded), "auto"
+            return modes.auto_cap_policy(self, mode, drafter, seeded=seeded, cached_only=cached_only), "auto"
         cap = int(max_draft)
         if cap < 0:
             raise TandemError(f"max-draft must be >= 0 or 'auto', got {max_draft}")

@@ -234,15 +234,10 @@ def default_cap(engine: EngineLike, mode: str, drafter: Drafter | None) -> int:
     return min(DEFAULT_CAPS.get(mode, drafter.max_draft), drafter.max_draft)
 
 
-def calibrated(engine: EngineLike, mode: str, drafter: Drafter) -> bool:
-    """Whether this machine has the calibration ``--max-draft auto`` prices the pair with."""
+def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False,
+                    cached_only: bool = False) -> CapPolicy | None:
+    """--max-draft auto: a controller on top of this machine's calibrated cost curves
+    (``cached_only``: None where it has none)."""
     from engine import calibrate
 
-    return calibrate.load_cached(calibrate.calibration_key(engine, mode, drafter)) is not None
-
-
-def auto_cap_policy(engine: EngineLike, mode: str, drafter: Drafter, seeded: bool = False) -> CapPolicy:
-    """--max-draft auto: a controller on top of this machine's calibrated cost curves."""
-    from engine import calibrate
-
-    return calibrate.auto_cap_policy(engine, mode, drafter, seeded=seeded)
+    return calibrate.auto_cap_policy(engine, mode, drafter, seeded=seeded, cached_only=cached_only)

@@ -92,7 +92,7 @@ def _parked(eng: object, arm: Arm):
         return
     cls = type(eng)
     original = cls._cap_policy
-    cls._cap_policy = lambda self, mode, drafter, max_draft, seeded=False: (FixedCap(0), 0)
+    cls._cap_policy = lambda self, mode, drafter, max_draft, seeded=False, cached_only=False: (FixedCap(0), 0)
     try:
         yield Arm(arm.mode, None)
     finally:
