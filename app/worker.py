@@ -250,19 +250,16 @@ class EngineWorker(QObject):
         engine = self.engine
         previous, inline = engine.calibration_progress, engine.calibrate_on_request
 
+        measured: list[int] = []
+
         def progress(done: int, total: int, stage: str) -> None:
+            measured.append(done)
             if self.bridge.is_cancelled(rid):
                 raise _Cancelled()
             self.bridge.gen_calibrating.emit(rid, done, total, stage)
 
-        measured: list[int] = []
-
-        def shown(done: int, total: int, stage: str) -> None:
-            measured.append(done)
-            progress(done, total, stage)
-
         # the user's own message measures, visibly, where the app's server requests do not
-        engine.calibration_progress, engine.calibrate_on_request = shown, True
+        engine.calibration_progress, engine.calibrate_on_request = progress, True
         try:
             yield
         finally:

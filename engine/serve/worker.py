@@ -95,7 +95,9 @@ class JobRunner:
         self.engine = engine
         self.batcher = batcher
         if getattr(engine, "calibration_progress", False) is None:  # a request that measures (a seeded
-            engine.calibration_progress = _calibration_log()  # one, or any where requests may) is logged
+            # one, or any where requests may) is logged: every request waits for it
+            engine.calibration_progress = _calibration_log(
+                "calibrating this machine for a request's --max-draft auto (once per model)", 5.0)
         if self.max_batch is None:
             from engine.batching import default_max_batch
 
@@ -264,18 +266,16 @@ class _JobWaiting(Exception):
     """A request arrived while the engine thread measured a calibration between requests."""
 
 
-def _calibration_log(every_s: float = 5.0) -> Callable[[int, int, str], None]:
-    """Logs a calibration that a request's ``--max-draft auto`` measures on first use of a mode
-    where the host lets requests measure (the app's server; ``tandem serve`` measures between
-    requests instead): every request waits for it."""
+def _calibration_log(what: str, every_s: float) -> Callable[[int, int, str], None]:
+    """A calibration's progress, logged as ``what: done/total, stage`` at most every ``every_s``
+    seconds (and its last step)."""
     last = [float("-inf")]
 
     def progress(done: int, total: int, stage: str) -> None:
         now = time.monotonic()
         if now - last[0] >= every_s or done >= total:
             last[0] = now
-            log.info("calibrating this machine for a request's --max-draft auto (once per model): %d/%d, %s",
-                     done, total, stage)
+            log.info("%s: %d/%d, %s", what, done, total, stage)
     return progress
 
 
@@ -402,15 +402,13 @@ class EngineWorker(JobRunner, threading.Thread):
             log.info("calibrated mode %s: its --max-draft auto requests use it from now on", mode)
             yield "calibrated"
 
-    def _idle_progress(self, mode: str, every_s: float = 10.0) -> Callable[[int, int, str], None]:
-        last = [time.monotonic()]
+    def _idle_progress(self, mode: str) -> Callable[[int, int, str], None]:
+        logged = _calibration_log(f"calibrating mode {mode}", 10.0)
 
         def progress(done: int, total: int, stage: str) -> None:
             if not self.jobs.empty():
                 raise _JobWaiting()
-            if time.monotonic() - last[0] >= every_s:
-                last[0] = time.monotonic()
-                log.info("calibrating mode %s: %d/%d, %s", mode, done, total, stage)
+            logged(done, total, stage)
         return progress
 
     def _shapes_ahead(self) -> Iterator[str] | None:
