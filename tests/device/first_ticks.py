@@ -5,13 +5,21 @@ where dspark@auto ran chat at 0.93x the batched baseline while its rows' plain s
 baseline's time (h100-auto-trace-dspark-s11.json): the difference is before and between them.
 
     python3 tests/device/first_ticks.py [--gguf STARTER.gguf] [--dtype bfloat16] [--classes chat]
-        [--arms baseline,lookup@auto,dspark@auto] [--trials 3] [--json OUT.json]
+        [--arms baseline,lookup@auto,dspark@auto] [--trials 3] [--profile 25] [--json OUT.json]
+
+An arm ``MODE@plain`` never drafts (every round a plain step) but keeps its drafter: ``dspark@plain``
+against ``baseline`` is a tapped plain tick against an untapped one. ``--profile N`` prints each
+arm's N functions of most host time (cProfile, its last trial).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import contextlib
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -42,7 +50,21 @@ def timed(owner: type, name: str, log: list) -> None:
 
 def parse_arm(text: str) -> Arm:
     mode, _, cap = text.partition("@")
-    return Arm(mode, None if not cap else cap if cap == "auto" else int(cap))
+    return Arm(mode, None if not cap else cap if cap in ("auto", "plain") else int(cap))
+
+
+@contextlib.contextmanager
+def arm_setup(arm: Arm):
+    """``MODE@plain``: the arm's rows propose no round (plain steps only); its drafter still runs."""
+    if arm.cap != "plain":
+        yield arm
+        return
+    real = batch.BatchLoop._propose
+    batch.BatchLoop._propose = lambda self, row: 0
+    try:
+        yield Arm(arm.mode, "auto")
+    finally:
+        batch.BatchLoop._propose = real
 
 
 def main() -> int:
@@ -53,6 +75,7 @@ def main() -> int:
     ap.add_argument("--arms", default="baseline,lookup@auto,dspark@auto")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     eng = load(args.gguf, dtype=args.dtype)
@@ -71,14 +94,25 @@ def main() -> int:
         prompts = load_prompts([cls], 4) if cls in CLASSES else load_spec_bench([cls], 4)
         group = [eng.encode(p) for _, p in prompts]
         for arm in arms:
-            run_batched(eng, group, arm, 8, 0.0, 4)  # calibration, first shapes
+            with arm_setup(arm) as run_arm:
+                run_batched(eng, group, run_arm, 8, 0.0, 4)  # calibration, first shapes
         rows = {arm.name: [] for arm in arms}
+        profiles: dict[str, str] = {}
         for trial in range(args.trials):
             for i in arm_order(len(arms), trial, 0, 1):
                 arm = arms[i]
                 for log in logs.values():
                     log.clear()
-                summary, _ = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)
+                profiler = cProfile.Profile() if args.profile and trial == args.trials - 1 else None
+                with arm_setup(arm) as run_arm:
+                    if profiler:
+                        profiler.enable()
+                    summary, _ = run_batched(eng, group, run_arm, args.max_new_tokens, 0.0, 4)
+                    if profiler:
+                        profiler.disable()
+                        text = io.StringIO()
+                        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+                        profiles[arm.name] = text.getvalue()
                 ticks = list(logs["tick"])
                 rows[arm.name].append({
                     "tok_s": round(summary["tok_s"], 1), "wall_ms": round(summary["wall_s"] * 1000, 1),
@@ -94,6 +128,8 @@ def main() -> int:
                       f"prefill {t['prefill_chunk_ms']:6.1f} begin {t['begin_ms']:5.1f} ticks {t['ticks']} "
                       f"median {t['tick_median_ms']:5.2f} sum {t['ticks_ms_sum']:7.1f} first {t['first_ticks_ms']} "
                       f"slow {t['slow_ticks_ms']}", flush=True)
+        for name, text in profiles.items():
+            print(f"===== {cls} {name} host time by function (cProfile, last trial)\n{text}", flush=True)
         out[cls] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
