@@ -520,18 +520,24 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow], after_plain: bool = False)
     # plain steps also hold the ticks in which other rows prefilled
     plain = len(rows) / min(cost.plain_step_ms(), judge.cal.plain_step_ms())
     refill = judge.refill_ms() if after_plain else 0.0
-    best = max(sum(_worth(r, min(cap, w - 1), judge, before=True) for r, cap in zip(rows, caps))
-               / (judge.round_ms(w) + cost.draft(w - 1) + refill) for w in range(2, max(caps) + 2))
+    worths = _worths(rows, judge, before=True)
+    best = max(sum(_worth(t, min(cap, w - 1)) for t, cap in zip(worths, caps))
+               / (cost.verify(w) + cost.draft(w - 1) + refill) for w in range(2, max(caps) + 2))
     if best > plain:
         return caps
     return [_trimmed(row, (cap, [0] * cap, None), 0, len(rows))[0] for row, cap in zip(rows, caps)]
 
 
-def _worth(row: BatchRow, k: int, judge: object, before: bool = False) -> float:
-    """Tokens a round verifying ``k`` of the row's drafts commits, by the row's own controller;
-    ``before`` the drafts are made: at cap ``k``, where a draft may stop short of it."""
-    policy = row.cap_policy if hasattr(row.cap_policy, "expected_tokens") else judge
-    return policy.expected_at_cap(k) if before else policy.expected_tokens(k)
+def _worths(rows: Sequence[BatchRow], judge: object, before: bool = False) -> list[list[float]]:
+    """Per row, the tokens a round verifying k of its drafts commits (k = 0, 1, ...), by the row's
+    own controller (the judge's for a row without one); ``before`` the drafts are made: at cap
+    k, where a draft may stop short of it."""
+    return [(r.cap_policy if hasattr(r.cap_policy, "expected_table") else judge).expected_table(before)
+            for r in rows]
+
+
+def _worth(table: list[float], k: int) -> float:
+    return table[min(k, len(table) - 1)]
 
 
 def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], object]], judge: object | None) -> int:
@@ -547,8 +553,10 @@ def batch_width(rows: Sequence[BatchRow], plans: Sequence[tuple[int, list[int], 
     if least == widest:
         return widest
 
+    worths, cost = _worths(rows, judge), judge.corrected()
+
     def rate(w: int) -> float:
-        return sum(_worth(r, min(len(d), w - 1), judge) for r, (_, d, _) in zip(rows, plans)) / judge.round_ms(w)
+        return sum(_worth(t, min(len(d), w - 1)) for t, (_, d, _) in zip(worths, plans)) / cost.verify(w)
 
     return max(range(least, widest + 1), key=rate)  # the narrowest of equals
 

@@ -356,23 +356,25 @@ class CapController:
             self._shared.__dict__.update(learned)
             self.state, self._shared = self._shared, None
 
-    def expected_tokens(self, drafts: int) -> float:
-        """Tokens a round verifying ``drafts`` drafts commits, by the learned per-position
-        acceptance (the accepted drafts and the target's own token after them)."""
-        tokens, reach = 1.0, 1.0
-        for a in self.acceptance()[1 : min(drafts, self.max_cap) + 1]:
+    def expected_table(self, before: bool = False) -> list[float]:
+        """Tokens a round commits with 0..max_cap drafts, by the learned per-position acceptance
+        (the accepted drafts and the target's own token after them); ``before`` the drafts are
+        known, at that cap: each position reached by the drafter (``survival``: a draft may stop
+        short of the cap) and accepted. One pass for every cap: a batch prices each row at
+        every width it weighs, each tick it decides, on a host-bound GPU where a tick is ~10 ms."""
+        survival = self.survival() if before else None
+        tokens, reach, table = 1.0, 1.0, [1.0]
+        for i, a in enumerate(self.acceptance()[1:], start=1):
             reach *= a
-            tokens += reach
-        return tokens
+            tokens += survival[i] * reach if before else reach
+            table.append(tokens)
+        return table
+
+    def expected_tokens(self, drafts: int) -> float:
+        return self.expected_table()[max(0, min(drafts, self.max_cap))]
 
     def expected_at_cap(self, cap: int) -> float:
-        """Tokens a round at ``cap`` commits before its drafts are known: each position reached by
-        the drafter (``survival``: a draft may stop short of the cap) and accepted."""
-        tokens, reach, survival = 1.0, 1.0, self.survival()
-        for i, a in enumerate(self.acceptance()[1 : min(cap, self.max_cap) + 1], start=1):
-            reach *= a
-            tokens += survival[i] * reach
-        return tokens
+        return self.expected_table(before=True)[max(0, min(cap, self.max_cap))]
 
     def round_ms(self, width: int) -> float:
         """A forward verifying ``width`` rows per sequence, at this batch's width (ms)."""

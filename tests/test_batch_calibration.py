@@ -4,6 +4,8 @@ steps win."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.calibrate import BATCH_ROWS, calibrate
 from engine.cap_controller import CapController
 from engine.cost_model import Calibration, best_cap
@@ -273,6 +275,50 @@ def test_a_request_that_parked_in_a_batch_leaves_the_engine_its_acceptance_not_i
     alone._park()
     alone.rejoin()
     assert shared.parked  # one row's forwards: its parking is the engine's
+
+
+def test_a_batch_decision_reads_each_rows_controller_once():
+    """A batch weighs every verify width for every row each time a row asks to draft, on a GPU
+    where a tick of a small model is ~10 ms of host work: each row's acceptance and draft
+    lengths are read once per decision (one table of what each cap is worth), not once per
+    width and row (28 reads for four rows weighing 7 widths cost ~0.3 ms a decision here), and
+    the decision is the one the per-cap reading gives."""
+    from types import SimpleNamespace
+
+    from engine.batch import _uncut, _worth, _worths, batch_width
+
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=0.2)
+    policies = [_speculating(cal, p) for p in (0.3, 0.5, 0.7, 0.9)]
+    for policy in policies:
+        for drafted, accepted in ((8, 2), (3, 3), (8, 8), (5, 1)):
+            policy._last_cap = 8
+            policy.observe(drafted, accepted, 0.02)
+        policy._last_cap = 8
+    rows = [SimpleNamespace(cap_policy=p, cuts=0, run_left=0, run_stop=None, cut_width=0) for p in policies]
+    before, after = _worths(rows, None, before=True), _worths(rows, None)
+    for policy, at_cap, drafted in zip(policies, before, after):
+        for k in range(10):
+            assert _worth(at_cap, k) == pytest.approx(_per_cap(policy, k, before=True))
+            assert _worth(drafted, k) == pytest.approx(_per_cap(policy, k))
+    reads = []
+    for policy in policies:
+        acceptance = policy.acceptance
+        policy.acceptance = lambda acceptance=acceptance: reads.append(1) or acceptance()
+    _uncut([7, 0, 3, 0], rows, after_plain=True)
+    assert len(reads) == len(rows)
+    reads.clear()
+    plans = [(8, [1] * n, None) for n in (7, 0, 3, 5)]
+    batch_width(rows, plans, policies[0])
+    assert len(reads) == len(rows)
+
+
+def _per_cap(policy: CapController, k: int, before: bool = False) -> float:
+    """Tokens a round of ``k`` drafts commits, position by position (what the table must hold)."""
+    tokens, reach, survival = 1.0, 1.0, policy.survival()
+    for i, a in enumerate(policy.acceptance()[1 : min(k, policy.max_cap) + 1], start=1):
+        reach *= a
+        tokens += (survival[i] if before else 1.0) * reach
+    return tokens
 
 
 def test_nobody_drafts_where_a_round_loses_to_a_queued_plain_step_of_every_row():

@@ -6,7 +6,11 @@ H100 runs where lookup@auto ran summarization at 0.93x the batched baseline whil
 fixed cap of 16 ran 1.2x it (h100-batch-ticks-...-s10-summ.json).
 
     python3 tests/device/auto_trace.py [--gguf STARTER.gguf] [--dtype bfloat16] [--mode lookup]
-        [--classes summarization] [--max-new-tokens 128] [--json OUT.json]
+        [--classes summarization] [--max-new-tokens 128] [--sequential-first] [--suffix-index] [--json OUT.json]
+
+``--sequential-first`` runs the arm's requests one after another before the traced batch, as
+``tandem benchmark --concurrent`` does (the engine's auto state has then learned at one row);
+``--suffix-index`` keeps the engine's suffix index (emptied before each run, as there).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import engine.batching as batching
 from engine import batch, cap_controller
 from engine.api import load
 from engine.benchmark import Arm
-from engine.concurrent_bench import run_batched
+from engine.concurrent_bench import run_batched, run_sequential
 from engine.prompts import CLASSES, load_prompts, load_spec_bench
 
 
@@ -54,10 +58,11 @@ def instrument_cuts() -> list:
         if any(caps) and judge is not None and len(rows) > 1:
             cost = judge.corrected()
             refill = judge.refill_ms() if after_plain else 0.0
+            worths = batch._worths(rows, judge, before=True)
             best = max(range(2, max(caps) + 2), key=lambda w: sum(
-                batch._worth(r, min(c, w - 1), judge, before=True) for r, c in zip(rows, caps))
+                batch._worth(t, min(c, w - 1)) for t, c in zip(worths, caps))
                 / (judge.round_ms(w) + cost.draft(w - 1) + refill))
-            worth = [round(batch._worth(r, min(c, best - 1), judge, before=True), 2) for r, c in zip(rows, caps)]
+            worth = [round(batch._worth(t, min(c, best - 1)), 2) for t, c in zip(worths, caps)]
             decisions.append({"caps": list(caps), "cut": not any(out), "after_plain": after_plain,
                               "live_plain_ms": round(cost.plain_step_ms(), 2),
                               "cal_plain_ms": round(judge.cal.plain_step_ms(), 2), "width": best, "worth": worth,
@@ -97,10 +102,13 @@ def main() -> int:
     ap.add_argument("--mode", default="lookup")
     ap.add_argument("--classes", default="summarization")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--sequential-first", action="store_true")
+    ap.add_argument("--suffix-index", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     eng = load(args.gguf, dtype=args.dtype)
-    eng.suffix_index = None
+    if not args.suffix_index:
+        eng.suffix_index = None
     print(f"batch warm-up: {batching.warm_up(eng, ['baseline', args.mode], 4):.1f} s", flush=True)
     out = {}
     log, decisions = instrument(), instrument_cuts()
@@ -110,6 +118,8 @@ def main() -> int:
         arm = Arm(args.mode, "auto")
         run_batched(eng, group, arm, 8, 0.0, 4)  # warm-up: calibration, first shapes
         base = [run_batched(eng, group, Arm("baseline"), args.max_new_tokens, 0.0, 4)[0]["tok_s"]]
+        if args.sequential_first:
+            print(f"{cls} {arm.name} one after another: {run_sequential(eng, group, arm, args.max_new_tokens, 0.0)[0]['tok_s']:.1f} tok/s")
         log.clear()
         decisions.clear()
         summary, _ = run_batched(eng, group, arm, args.max_new_tokens, 0.0, 4)

@@ -9,7 +9,8 @@ baseline's time (h100-auto-trace-dspark-s11.json): the difference is before and 
 
 An arm ``MODE@plain`` never drafts (every round a plain step) but keeps its drafter: ``dspark@plain``
 against ``baseline`` is a tapped plain tick against an untapped one. ``--profile N`` prints each
-arm's N functions of most host time (cProfile, its last trial).
+arm's N functions of most host time, and Tandem's N of most cumulative time (cProfile, its
+last trial).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def main() -> int:
                     if profiler:
                         profiler.disable()
                         text = io.StringIO()
-                        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+                        stats = pstats.Stats(profiler, stream=text)
+                        stats.sort_stats("tottime").print_stats(args.profile)
+                        stats.sort_stats("cumulative").print_stats("/engine/", args.profile)  # Tandem's own calls
                         profiles[arm.name] = text.getvalue()
                 ticks = list(logs["tick"])
                 rows[arm.name].append({
