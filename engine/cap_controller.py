@@ -358,10 +358,11 @@ class CapController:
 
     def expected_table(self, before: bool = False) -> list[float]:
         """Tokens a round commits with 0..max_cap drafts, by the learned per-position acceptance
-        (the accepted drafts and the target's own token after them); ``before`` the drafts are
-        known, at that cap: each position reached by the drafter (``survival``: a draft may stop
-        short of the cap) and accepted. One pass for every cap: a batch prices each row at
-        every width it weighs, each tick it decides, on a host-bound GPU where a tick is ~10 ms."""
+        (the accepted drafts and the target's own token after them). ``before``: at a cap of
+        0..max_cap, before the drafts are known, each position reached by the drafter
+        (``survival``: a draft may stop short of the cap) and accepted. One pass for every cap:
+        a batch prices each row at every width it weighs, each time a row asks to draft, on a
+        host-bound GPU where a tick is ~10 ms."""
         survival = self.survival() if before else None
         tokens, reach, table = 1.0, 1.0, [1.0]
         for i, a in enumerate(self.acceptance()[1:], start=1):
