@@ -2,6 +2,7 @@
 collect it).
 
     PYTHONPATH=$PWD python tests/bench_suffix.py [--prompts 4] [--tokens 64] [--reps 2] [--arms ...] [--replay]
+        [--classes chat,code,math]
 
 A repeated-request session: each prompt (shipped humaneval and mt-bench turns) is asked once
 (``fresh``), then again under another system prompt (``repeat``: the same question in a new
@@ -38,12 +39,21 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("You are a helpful assistant.", "You are a careful assistant. Answer the question.")
 
 
-def prompts(n: int) -> list[str]:
-    out = []
+def prompts(n: int, classes: str | None = None) -> dict[str, str]:
+    """{prompt: its class}: ``n`` humaneval and mt-bench turns, or ``n`` of each shipped class."""
+    if classes:
+        from engine.prompts import load_prompts, load_spec_bench
+        from engine.prompts import CLASSES as SHIPPED
+
+        wanted = classes.split(",")
+        pairs = load_prompts([c for c in wanted if c in SHIPPED], n)
+        pairs += [(c, t) for c, t in load_spec_bench([c for c in wanted if c not in SHIPPED], n) if isinstance(t, str)]
+        return {text: cls for cls, text in pairs}
+    out = {}
     for name in ("humaneval", "mt-bench"):
         with open(ROOT / "resources" / "prompts" / f"{name}.jsonl") as f:
-            out += [json.loads(line)["turns"][0] for line in f][: (n + 1) // 2]
-    return out[:n]
+            out.update((json.loads(line)["turns"][0], name) for line in list(f)[: (n + 1) // 2])
+    return dict(list(out.items())[:n])
 
 
 def arm_setups(engine, arms: list[str]) -> dict:
@@ -65,10 +75,12 @@ def arm_setups(engine, arms: list[str]) -> dict:
     return out
 
 
-def run_arms(engine, arms: list[str], texts: list[str], tokens: int, reference: dict, reps: int) -> dict:
+def run_arms(engine, arms: list[str], texts: list[str], tokens: int, reference: dict, reps: int,
+             classes: dict[str, str] | None = None) -> dict:
     """The session (fresh pass, then repeat pass) once per repetition, every request under every
     arm in turn (so a busy machine slows the arms alike), each arm with its own history; per arm
-    and pass: tokens per round, target forwards, and tok/s from each request's fastest decode."""
+    and pass (and per pass and class, given ``classes``: {prompt: class}): tokens per round,
+    target forwards, and tok/s from each request's fastest decode."""
     from engine.drafters.suffix import SuffixIndex
 
     setups = arm_setups(engine, arms)
@@ -99,15 +111,16 @@ def run_arms(engine, arms: list[str], texts: list[str], tokens: int, reference: 
         engine._drafters.clear()
         engine._drafters.update(drafters)
     for (arm, phase, text), (decode_s, r, hist_rounds, hist_tokens) in best.items():
-        f = figures[arm].setdefault(phase, {"rounds": 0, "tokens": 0, "target_forwards": 0, "decode_s": 0.0,
-                                            "history_rounds": 0, "history_tokens": 0, "same_as_greedy": True})
-        f["rounds"] += len(r.rounds) - 1
-        f["tokens"] += r.generated - 1
-        f["target_forwards"] += r.target_forwards
-        f["decode_s"] += decode_s
-        f["history_rounds"] += hist_rounds
-        f["history_tokens"] += hist_tokens
-        f["same_as_greedy"] &= r.token_ids == reference[(phase, text)]
+        for key in (phase, f"{phase} {classes[text]}") if classes else (phase,):  # the pass, and its class's share
+            f = figures[arm].setdefault(key, {"rounds": 0, "tokens": 0, "target_forwards": 0, "decode_s": 0.0,
+                                              "history_rounds": 0, "history_tokens": 0, "same_as_greedy": True})
+            f["rounds"] += len(r.rounds) - 1
+            f["tokens"] += r.generated - 1
+            f["target_forwards"] += r.target_forwards
+            f["decode_s"] += decode_s
+            f["history_rounds"] += hist_rounds
+            f["history_tokens"] += hist_tokens
+            f["same_as_greedy"] &= r.token_ids == reference[(phase, text)]
     for arm in figures:
         for f in figures[arm].values():
             f["tokens_per_round"] = round(f["tokens"] / max(1, f["rounds"]), 3)
@@ -156,7 +169,10 @@ def _history_counts(engine) -> tuple[int, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=4, help="prompts in all, or per class with --classes")
+    p.add_argument("--classes", default=None,
+                   help="prompts of these shipped classes or Spec-Bench categories (chat,code,math,...), mixed "
+                        "in one session, with figures per class too")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--arms", default="baseline,context,history,dspark,dspark+history,auto")
     p.add_argument("--reps", type=int, default=2, help="sessions run; each request's fastest decode counts")
@@ -169,7 +185,8 @@ def main() -> int:
 
     engine = load()
     engine.configure_prefix_cache(False)
-    texts = prompts(args.prompts)
+    classes = prompts(args.prompts, args.classes)
+    texts = list(classes)
     t0 = time.perf_counter()
     saved = Path(args.reference) if args.reference else None
     stored = json.loads(saved.read_text()) if saved is not None and saved.exists() else {}
@@ -202,7 +219,8 @@ def main() -> int:
     arms = [a for a in args.arms.split(",") if a]
     if arms:
         out["reps"] = args.reps
-        out["arms"] = run_arms(engine, arms, texts, args.tokens, reference, args.reps)
+        out["arms"] = run_arms(engine, arms, texts, args.tokens, reference, args.reps,
+                               classes if args.classes else None)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     return 0
