@@ -46,8 +46,10 @@ def prompts(n: int, classes: str | None = None) -> dict[str, str]:
         from engine.prompts import CLASSES as SHIPPED
 
         wanted = classes.split(",")
+        categories = [c for c in wanted if c not in SHIPPED]
         pairs = load_prompts([c for c in wanted if c in SHIPPED], n)
-        pairs += [(c, t) for c, t in load_spec_bench([c for c in wanted if c not in SHIPPED], n) if isinstance(t, str)]
+        if categories:  # single-turn questions only
+            pairs += [(c, t) for c, t in load_spec_bench(categories, n) if isinstance(t, str)]
         return {text: cls for cls, text in pairs}
     out = {}
     for name in ("humaneval", "mt-bench"):
