@@ -248,8 +248,6 @@ class EngineWorker(QObject):
         per model; a minute or more on a CPU): the message shows how far it got, and Stop ends it
         between two measurements."""
         engine = self.engine
-        previous, inline = engine.calibration_progress, engine.calibrate_on_request
-
         measured: list[int] = []
 
         def progress(done: int, total: int, stage: str) -> None:
@@ -258,12 +256,10 @@ class EngineWorker(QObject):
                 raise _Cancelled()
             self.bridge.gen_calibrating.emit(rid, done, total, stage)
 
-        # the user's own message measures, visibly, where the app's server requests do not
-        engine.calibration_progress, engine.calibrate_on_request = progress, True
-        try:
-            yield
+        try:  # the user's own message measures, visibly, where the app's server requests do not
+            with engine.measuring_calibrations(progress):
+                yield
         finally:
-            engine.calibration_progress, engine.calibrate_on_request = previous, inline
             if measured:  # the Telemetry tab's curves and roofline, from the calibration just made
                 self._after_load(engine, {})
 

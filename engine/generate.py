@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -631,10 +632,17 @@ class Engine:
         and model, then cached; a minute or more on a CPU). ``progress(done, total, stage)`` hears
         of it if it runs (it may raise to stop the measurement: nothing is kept); nothing runs when
         it is cached or the cap is fixed."""
+        with self.measuring_calibrations(progress):
+            self._decoding(mode, max_draft, None, False)
+
+    @contextmanager
+    def measuring_calibrations(self, progress: Callable[[int, int, str], None] | None = None) -> Iterator[None]:
+        """Within the block a request whose ``--max-draft auto`` finds no calibration measures it
+        first, telling ``progress`` (else ``calibration_progress``); both settings come back after."""
         previous, inline = self.calibration_progress, self.calibrate_on_request
         self.calibration_progress, self.calibrate_on_request = progress or previous, True
         try:
-            self._decoding(mode, max_draft, None, False)
+            yield
         finally:
             self.calibration_progress, self.calibrate_on_request = previous, inline
 
