@@ -371,12 +371,6 @@ class CapController:
             table.append(tokens)
         return table
 
-    def expected_tokens(self, drafts: int) -> float:
-        return self.expected_table()[max(0, min(drafts, self.max_cap))]
-
-    def expected_at_cap(self, cap: int) -> float:
-        return self.expected_table(before=True)[max(0, min(cap, self.max_cap))]
-
     def round_ms(self, width: int) -> float:
         """A forward verifying ``width`` rows per sequence, at this batch's width (ms)."""
         return self.corrected().verify(width)

@@ -90,7 +90,7 @@ def test_batch_width_cuts_drafts_the_batch_does_not_pay_for():
     assert batch_width(rows, plans, strong[0]) > 4  # every row gains from the width
     # the ratio it maximises, checked by hand over every width
     def rate(w):
-        return sum(p.expected_tokens(min(8, w - 1)) for p in strong) / strong[0].round_ms(w)
+        return sum(p.expected_table()[min(8, w - 1)] for p in strong) / strong[0].round_ms(w)
     assert batch_width(rows, plans, strong[0]) == max(range(1, 10), key=rate)
     seeded = _speculating(cal, 0.2, seeded=True)
     rows, plans = _rows(plain + [(weak, [1] * 8), (seeded, [1] * 5)])
