@@ -1,7 +1,8 @@
 """``tandem benchmark --agent-replay``: a coding agent's session replayed, request by request.
 
 The session (``engine/agent_session.py``: a rename across Tandem's own source, 15 requests of a
-growing conversation and a reviewer sub-agent's one) is sent as an agent sends it: each request
+growing conversation and a reviewer sub-agent's one; or, ``delegating``, the agent handing each
+module's edit to a sub-agent in a fresh conversation) is sent as an agent sends it: each request
 is the whole conversation so far, so the prefix cache restores what the last request prefilled,
 and the suffix index holds what the earlier requests read and wrote. Arms:
 
@@ -25,7 +26,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from engine.agent_session import Session, build_session
+from engine.agent_session import Session, build_delegating_session, build_session
 from engine.benchmark import (
     Arm,
     _accept_per_round,
@@ -98,18 +99,23 @@ def best_tps(runs: Sequence[Sequence["GenerationResult"]]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session | None = None, trials: int = 1,
+def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session | None = None, shape: str = "single",
+                     trials: int = 1,
                      max_new_tokens: int = 128, progress: Callable[[int, int, str], None] | None = None,
                      calibration_progress: Callable | None = None,
                      warmup_progress: Callable | None = None) -> dict:
-    """Replay ``session`` (default: ``build_session()``) in every arm ``trials`` times; returns the
-    report (JSON-ready)."""
+    """Replay ``session`` (default: the ``shape`` session, ``single`` or ``delegating``) in every arm
+    ``trials`` times; returns the report (JSON-ready)."""
     if getattr(engine, "suffix_index", None) is None:
         raise TandemError("--agent-replay compares lookup with and without the suffix index: the engine has none "
                           "(drop --no-suffix-drafts)")
     if trials < 1 or max_new_tokens < 2:
         raise TandemError("benchmark needs --trials >= 1 and --max-new-tokens >= 2")
-    session = session or build_session()
+    if session is None:
+        builders = {"single": build_session, "delegating": build_delegating_session}
+        if shape not in builders:
+            raise TandemError(f"unknown agent session '{shape}': choose from {', '.join(builders)}")
+        session = builders[shape]()
     rarms = replay_arms(arms)
     requests = [render(engine, messages) for messages in session.requests]
     calibrations = calibrate_arms(engine, [a.arm for a in rarms], calibration_progress)
@@ -167,7 +173,7 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
                                              "best_ratio": best_tps(kept) / best_tps(alone)}
     return {
         **stamp(engine), "trials": trials, "max_new_tokens": max_new_tokens,
-        "session": {"task": f"rename {session.symbol} to {session.new_name}",
+        "session": {"task": f"rename {session.symbol} to {session.new_name}", "shape": session.shape,
                     "requests": [{"after": label, "prompt_tokens": len(ids)}
                                  for label, ids in zip(session.labels, requests)]},
         "arms": report_arms, "suffix_vs_context": suffix_vs_context, "target": TARGET,
@@ -179,7 +185,8 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
 def format_agent_replay(report: dict) -> str:
     reqs = report["session"]["requests"]
     lines = [f"{report['model']} on {report['device']} ({report['backend']}, MLX {report['mlx']}, "
-             f"{report['precision']}) | agent session ({report['session']['task']}): {len(reqs)} requests of "
+             f"{report['precision']}) | agent session ({report['session']['task']}, "
+             f"{report['session'].get('shape', 'single')}): {len(reqs)} requests of "
              f"{min(r['prompt_tokens'] for r in reqs)}-{max(r['prompt_tokens'] for r in reqs)} prompt tokens, "
              f"{report['trials']} trial(s), up to {report['max_new_tokens']} new tokens each",
              f"{'arm':<26}{'tok/s':>8}{'x base':>8}{'best':>8}{'x base':>8}{'acc/rnd':>9}{'prefill s':>11}"

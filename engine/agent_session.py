@@ -58,7 +58,14 @@ TOOLS = [
          "args": {"type": "string", "description": "extra pytest arguments, e.g. a test file"}}}},
 ]
 
-SYSTEM = """You are a coding agent working in a Python repository: Tandem, an engine for lossless \
+TASK_TOOL = {"name": "task", "description": "Hand a self-contained job to a sub-agent, which starts a fresh "
+                                       "conversation with the same tools; its one-line report comes back.",
+             "parameters": {"type": "object", "properties": {
+                 "description": {"type": "string", "description": "three to five words"},
+                 "prompt": {"type": "string", "description": "the whole job: the sub-agent sees nothing else"}},
+                 "required": ["description", "prompt"]}}
+
+PREAMBLE = """You are a coding agent working in a Python repository: Tandem, an engine for lossless \
 speculative decoding on MLX, with its command line (engine/cli), its server (engine/serve) and a \
 desktop app (app/). You act only through tools. Answer with at most one tool call per turn, as JSON in \
 a <tool_call> block:
@@ -70,13 +77,30 @@ what you are doing and why. When the task is done, reply with a short summary of
 no tool call.
 
 Tools:
-""" + "\n".join(json.dumps(t) for t in TOOLS) + """
+"""
+
+RULES = """
 
 Rules:
 - Read the part of a file you edit first; keep edits minimal and in the file's style.
 - Never change behaviour that the task did not ask to change.
 - Run the tests after your edits, and fix what they show before you finish.
 - Paths are relative to the repository root."""
+
+
+def system_prompt(tools: list[dict], rules: str = RULES) -> str:
+    return PREAMBLE + "\n".join(json.dumps(t) for t in tools) + rules
+
+
+SYSTEM = system_prompt(TOOLS)
+DELEGATING = system_prompt(TOOLS + [TASK_TOOL], RULES + """
+- Hand each module's edit to a sub-agent (the task tool) once you know which lines it needs.""")
+SUB_AGENT = system_prompt(TOOLS[:3], """
+
+Rules:
+- Do only the job you are given; the lines it names are current, so edit without reading them again.
+- Never change behaviour that the job did not ask to change.
+- Finish with one line saying what changed.""")
 
 REVIEWER = """You review code changes in the Tandem repository. You are given a unified diff. Say whether \
 the change is complete and safe: renamed names that are still used under the old name, imports \
@@ -90,6 +114,7 @@ class Session:
 
     symbol: str
     new_name: str
+    shape: str = "single"  # one conversation; "delegating": sub-agents in fresh conversations
     requests: list[list[dict]] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)  # per request: the tool result it ends with
 
@@ -201,57 +226,117 @@ def response(text: str) -> str:
     return f"<tool_response>\n{text}\n</tool_response>"
 
 
+@dataclass
+class Workspace:
+    """The repository as both sessions find it: the helper, its new name, its module and its users."""
+
+    texts: dict[str, str]
+    old: str
+    new: str
+    home: str
+    users: list[str]
+
+    @classmethod
+    def load(cls) -> "Workspace":
+        own = f"engine/{__name__.rsplit('.', 1)[-1]}.py"  # this module names the helper: not part of the repository
+        texts = {path: source_text(path) for path in source_files() if path != own}
+        old, home = pick_symbol(texts)
+        users = sorted(p for p, t in texts.items() if p != home and uses(t, old))
+        return cls(texts, old, old + NEW_SUFFIX, home, users[:FIRST_PASS + 1])
+
+    def task(self) -> str:
+        return (f"Rename the helper `{self.old}` (defined in {self.home}) to `{self.new}` everywhere in the engine "
+                f"package, without changing what it does, and make sure the tests still pass.")
+
+    def grep(self, chat: "Conversation", say: str) -> None:
+        chat.turn(say, "grep", grep(self.texts, self.old), pattern=rf"\b{self.old}\b", path="engine")
+
+    def read(self, chat: "Conversation", path: str, say: str) -> None:
+        offset = max(1, first_hit(self.texts[path], self.old) - READ_BEFORE)  # every read comes before its edit
+        chat.turn(say, "read_file", numbered(self.texts[path], offset, READ_LINES), path=path, offset=offset,
+                  limit=READ_LINES)
+
+    def edit(self, chat: "Conversation", path: str, say: str) -> None:
+        edited = rename(self.texts[path], self.old, self.new)
+        result = edit_result(path, self.texts[path], edited, self.old)
+        self.texts[path] = edited
+        chat.turn(say, "edit_file", result, path=path, old_string=self.old, new_string=self.new, replace_all=True)
+
+    def review(self, session: Session, before: dict[str, str]) -> None:
+        """The reviewer sub-agent's one request: a fresh conversation given the whole diff."""
+        diff = "".join(line for p in [self.home] + self.users
+                       for line in difflib.unified_diff(before[p].splitlines(True), self.texts[p].splitlines(True),
+                                                        f"a/{p}", f"b/{p}", n=3))
+        session.requests.append([{"role": "system", "content": REVIEWER},
+                                 {"role": "user", "content": f"Review this change:\n\n{diff}"}])
+        session.labels.append("review (sub-agent)")
+
+
+class Conversation:
+    """One agent's chat: each tool result it gets ends a request of the session."""
+
+    def __init__(self, session: Session, system: str, task: str, label: str = ""):
+        self.session, self.label = session, label
+        self.chat = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        self.request("task")
+
+    def request(self, after: str) -> None:
+        self.session.requests.append([dict(m) for m in self.chat])
+        self.session.labels.append(self.label + after)
+
+    def turn(self, say: str, tool: str, result: str, **arguments) -> None:
+        self.chat.append({"role": "assistant", "content": call(say, tool, **arguments)})
+        self.chat.append({"role": "user", "content": response(result)})
+        self.request(tool)
+
+
 def build_session() -> Session:
     """The replayed session (see the module docstring)."""
-    own = f"engine/{__name__.rsplit('.', 1)[-1]}.py"  # this module names the helper: not part of the repository
-    texts = {path: source_text(path) for path in source_files() if path != own}
-    old, home = pick_symbol(texts)
-    new = old + NEW_SUFFIX
-    users = sorted(p for p, t in texts.items() if p != home and uses(t, old))
-    first, missed = users[:FIRST_PASS], users[FIRST_PASS]
-    session = Session(old, new)
-    before = dict(texts)
-    chat = [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Rename the helper `{old}` (defined in {home}) to `{new}` everywhere in "
-                                        f"the engine package, without changing what it does, and make sure the tests "
-                                        f"still pass."}]
-
-    def request(label: str) -> None:
-        session.requests.append([dict(m) for m in chat])
-        session.labels.append(label)
-
-    def turn(say: str, tool: str, result: str, **arguments) -> None:
-        chat.append({"role": "assistant", "content": call(say, tool, **arguments)})
-        chat.append({"role": "user", "content": response(result)})
-        request(tool)
-
-    def read(path: str, say: str) -> None:
-        offset = max(1, first_hit(texts[path], old) - READ_BEFORE)  # every read comes before its edit
-        turn(say, "read_file", numbered(texts[path], offset, READ_LINES), path=path, offset=offset, limit=READ_LINES)
-
-    def edit(path: str, say: str) -> None:
-        edited = rename(texts[path], old, new)
-        result = edit_result(path, texts[path], edited, old)
-        texts[path] = edited
-        turn(say, "edit_file", result, path=path, old_string=old, new_string=new, replace_all=True)
-
-    request("task")
-    turn(f"First I find every use of `{old}`.", "grep", grep(texts, old), pattern=rf"\b{old}\b", path="engine")
-    read(home, f"Now the definition in {home}.")
-    edit(home, f"I rename the definition (and its uses inside {home}).")
+    ws = Workspace.load()
+    old, home = ws.old, ws.home
+    first, missed = ws.users[:FIRST_PASS], ws.users[FIRST_PASS]
+    session = Session(old, ws.new)
+    before = dict(ws.texts)
+    chat = Conversation(session, SYSTEM, ws.task())
+    ws.grep(chat, f"First I find every use of `{old}`.")
+    ws.read(chat, home, f"Now the definition in {home}.")
+    ws.edit(chat, home, f"I rename the definition (and its uses inside {home}).")
     for path in first:
-        read(path, f"{path} uses it too; I read where.")
-        edit(path, f"The same rename in {path}.")
-    turn("Now the tests.", "run_tests", tests_failed(missed, texts[missed], old, home))
-    turn(f"One module still imports `{old}`; I search again for what is left.", "grep", grep(texts, old),
-         pattern=rf"\b{old}\b", path="engine")
-    read(missed, f"{missed} was missed; I read it again.")
-    edit(missed, f"The same rename in {missed}.")
-    turn("The tests again.", "run_tests", tests_passed([home] + first + [missed], texts))
-    diff = "".join(line for p in [home] + first + [missed]
-                   for line in difflib.unified_diff(before[p].splitlines(True), texts[p].splitlines(True),
-                                                    f"a/{p}", f"b/{p}", n=3))
-    session.requests.append([{"role": "system", "content": REVIEWER},
-                             {"role": "user", "content": f"Review this change:\n\n{diff}"}])
-    session.labels.append("review (sub-agent)")
+        ws.read(chat, path, f"{path} uses it too; I read where.")
+        ws.edit(chat, path, f"The same rename in {path}.")
+    chat.turn("Now the tests.", "run_tests", tests_failed(missed, ws.texts[missed], old, home))
+    ws.grep(chat, f"One module still imports `{old}`; I search again for what is left.")
+    ws.read(chat, missed, f"{missed} was missed; I read it again.")
+    ws.edit(chat, missed, f"The same rename in {missed}.")
+    chat.turn("The tests again.", "run_tests", tests_passed([home] + ws.users, ws.texts))
+    ws.review(session, before)
+    return session
+
+
+def build_delegating_session() -> Session:
+    """The same rename, done the way an agent with sub-agents does it (Claude Code's Task tool): the
+    agent renames the definition itself, then hands each module that uses the helper to a sub-agent,
+    which starts a fresh conversation, edits the lines it is given and reports in one line. What one
+    sub-agent wrote is in no later sub-agent's context: only an index over earlier requests has it."""
+    ws = Workspace.load()
+    old, new, home = ws.old, ws.new, ws.home
+    session = Session(old, new, shape="delegating")
+    before = dict(ws.texts)
+    hits = grep(ws.texts, old).splitlines()
+    chat = Conversation(session, DELEGATING, ws.task())
+    ws.grep(chat, f"First I find every use of `{old}`.")
+    ws.read(chat, home, f"Now the definition in {home}.")
+    ws.edit(chat, home, f"I rename the definition (and its uses inside {home}).")
+    for path in ws.users:
+        lines = "\n".join(h for h in hits if h.startswith(path + ":"))
+        job = (f"In {path}, rename the helper `{old}` to `{new}` (its definition in {home} is renamed already): "
+               f"its import and every use. The lines that name it now:\n{lines}")
+        count = len(re.findall(rf"\b{old}\b", ws.texts[path]))
+        sub = Conversation(session, SUB_AGENT, job, label="sub-agent ")
+        ws.edit(sub, path, f"I rename every use in {path} at once.")
+        report = f"Renamed `{old}` to `{new}` in {path} ({count} replacement{'s' if count != 1 else ''})."
+        chat.turn(f"{path} uses it too; a sub-agent renames it there.", "task", report,
+                  description=f"rename in {path}", prompt=job)
+    chat.turn("Now the tests.", "run_tests", tests_passed([home] + ws.users, ws.texts))
+    ws.review(session, before)
     return session

@@ -5,6 +5,7 @@ index)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,7 +15,7 @@ from engine import agent_bench as AB
 from engine import benchmark as B
 from engine import context_bench as CB
 from engine import corpus
-from engine.agent_session import Session, build_session
+from engine.agent_session import SUB_AGENT, Session, build_delegating_session, build_session
 from engine.cli import main
 from engine.errors import TandemError
 from engine.prompts import documents
@@ -153,6 +154,35 @@ def test_agent_session_is_deterministic_and_shaped_like_an_agents_loop(session):
     assert removed and all(any(line in r for r in results) for line in removed[:3])
 
 
+def test_delegating_session_hands_each_module_to_a_fresh_sub_agent(session):
+    deleg = build_delegating_session()
+    assert deleg.shape == "delegating" and (deleg.symbol, deleg.new_name) == (session.symbol, session.new_name)
+    assert 10 <= len(deleg.requests) <= 20 and deleg.requests == build_delegating_session().requests
+    subs = [r for r, label in zip(deleg.requests, deleg.labels) if label.startswith("sub-agent")]
+    main_loop = [r for r, label in zip(deleg.requests, deleg.labels) if not label.startswith(("sub-agent", "review"))]
+    for before, after in zip(main_loop, main_loop[1:]):
+        assert after[: len(before)] == before and len(after) == len(before) + 2
+    assert '"name": "task"' in main_loop[0][0]["content"] and '"name": "task"' not in SUB_AGENT
+    jobs = [r for r in subs if len(r) == 2]
+    assert len(jobs) == len(subs) // 2 >= 4 and all(r[0]["content"] == SUB_AGENT for r in subs)
+    edit = f'"old_string": "{deleg.symbol}", "new_string": "{deleg.new_name}", "replace_all": true'
+    paths = []
+    for job in jobs:  # a fresh conversation: its own job, quoting the module's real lines, and nothing else
+        path = re.match(r"In (\S+), rename", job[1]["content"]).group(1)
+        paths.append(path)
+        quoted = [line for line in job[1]["content"].splitlines() if line.startswith(path + ":")]
+        assert quoted and all(corpus.source_text(path).splitlines()[int(n) - 1] == text
+                              for _, n, text in (line.split(":", 2) for line in quoted))
+    for sub in subs:  # no sub-agent sees another's module
+        mine = re.match(r"In (\S+), rename", sub[1]["content"]).group(1)
+        assert not any(p in m["content"] for p in paths if p != mine for m in sub)
+        if len(sub) == 4:
+            assert edit in sub[2]["content"] and f"The file {mine} has been updated" in sub[3]["content"]
+    reports = [m["content"] for m in main_loop[-1] if m["role"] == "user" and "Renamed `" in m["content"]]
+    assert [re.search(r" in (\S+) \(", r).group(1) for r in reports] == paths
+    assert deleg.labels[-1].startswith("review") and deleg.requests[-1][1] == session.requests[-1][1]  # the same diff
+
+
 def tiny_session() -> Session:
     """Three requests of a growing conversation in the tiny tokenizer's words."""
     words = " ".join(f"w{5 + i % 13}" for i in range(40))
@@ -199,6 +229,8 @@ def test_agent_replay_empties_the_index_only_for_the_in_context_arm(eng, monkeyp
         seen.clear()
         list(AB.replay(eng, requests, AB.ReplayArm(B.Arm("lookup", 4), keep_index=keep), 6))
         assert seen == ([False, True, True] if keep else [False, False, False])
+    with pytest.raises(TandemError, match="unknown agent session 'solo': choose from single, delegating"):
+        AB.run_agent_replay(eng, B.make_arms(["lookup"]), shape="solo")
     monkeypatch.setattr(eng, "suffix_index", None)
     with pytest.raises(TandemError, match="suffix index"):
         AB.run_agent_replay(eng, B.make_arms(["lookup"]), session=tiny_session())
@@ -224,5 +256,10 @@ def test_cli_runs_both_benchmarks(cache_dir, tmp_path, capsys, monkeypatch):
                  "--max-new-tokens", "6", "--agent-replay", "--json", str(out)]) == 0
     assert "lookup@4 (+suffix)" in capsys.readouterr().out
     assert list(json.loads(out.read_text())["arms"]) == ["baseline", "lookup@4 (in-context)", "lookup@4 (+suffix)"]
+    monkeypatch.setattr(AB, "build_delegating_session", lambda: dataclasses.replace(tiny_session(), shape="delegating"))
+    assert main(["benchmark", "--model", str(gguf), "--modes", "lookup", "--max-draft", "4", "--trials", "1",
+                 "--max-new-tokens", "4", "--agent-replay", "delegating", "--json", str(out)]) == 0
+    assert "agent session (rename a to b, delegating)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["session"]["shape"] == "delegating"
     assert main(["benchmark", "--agent-replay", "--context", "512"]) == 1
     assert "separate benchmarks" in capsys.readouterr().err

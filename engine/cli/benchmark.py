@@ -57,10 +57,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context lengths in tokens (e.g. 512,2048,8192): before each prompt a preamble of exactly N "
                         "tokens of shipped text (Tandem's own source for code prompts, Spec-Bench's articles for the "
                         "rest); prints each mode's speed-up against the context length")
-    p.add_argument("--agent-replay", action="store_true",
-                   help="replay a coding agent's session built from Tandem's own source (16 requests, each the whole "
-                        "conversation so far): tok/s per mode, lookup with the suffix index emptied before every "
-                        "request (in-context) and kept across the session (+suffix)")
+    p.add_argument("--agent-replay", nargs="?", const="single", default=None, choices=("single", "delegating"),
+                   help="replay a coding agent's session built from Tandem's own source (single: 16 requests, each the "
+                        "whole conversation so far; delegating: 18, the agent handing each module's edit to a "
+                        "sub-agent in a fresh conversation): tok/s per mode, lookup with the suffix index emptied "
+                        "before every request (in-context) and kept across the session (+suffix)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +160,8 @@ def _agent_replay(args: argparse.Namespace, modes: list[str]) -> int:
     warm_progress, warm_close = tqdm_progress("warming up")
     progress, close = tqdm_progress(f"agent replay {eng.name}")
     try:
-        report = run_agent_replay(eng, arms, trials=args.trials, max_new_tokens=args.max_new_tokens, progress=progress,
+        report = run_agent_replay(eng, arms, shape=args.agent_replay, trials=args.trials,
+                                  max_new_tokens=args.max_new_tokens, progress=progress,
                                   calibration_progress=cal_progress, warmup_progress=warm_progress)
     finally:
         cal_close()
