@@ -36,6 +36,7 @@ from engine.benchmark import (
     check_lossless,
     divergence_line,
     forget_earlier_requests,
+    is_mismatch,
     lossless_label,
     stamp,
 )
@@ -162,8 +163,8 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
             "cached_tokens": sum(r.cached_tokens for r in runs[0]),
             "tokens": sum(r.generated for r in runs[0]),
             "requests_tok_s": [round(r.decode_tps, 2) for r in runs[0]],
-            "lossless": not any(d["arm"] == a.name and not d["near_tie"] for d in divergences),
-            "ties": sum(1 for d in divergences if d["arm"] == a.name and d["near_tie"]),
+            "lossless": not any(d["arm"] == a.name and is_mismatch(d) for d in divergences),
+            "ties": sum(1 for d in divergences if d["arm"] == a.name and not is_mismatch(d)),
         }
     suffix_vs_context = {}
     for a in rarms:
@@ -178,7 +179,7 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
                                  for label, ids in zip(session.labels, requests)]},
         "arms": report_arms, "suffix_vs_context": suffix_vs_context, "target": TARGET,
         "calibrations": {m: c.to_dict() for m, c in calibrations.items()},
-        "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences,
+        "lossless": not any(is_mismatch(d) for d in divergences), "divergences": divergences,
     }
 
 

@@ -23,7 +23,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from engine.benchmark import Arm, check_lossless, forget_earlier_requests, stamp
+from engine.benchmark import Arm, check_lossless, forget_earlier_requests, is_mismatch, stamp
 from engine.errors import TandemError
 from engine.warmup import tokens_for
 
@@ -240,7 +240,7 @@ def run_concurrent(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: S
     return {**stamp(engine), "concurrent": concurrent, "arrival_ms": arrival_ms, "trials": trials,
             "shared_prefix": shared_prefix, "warm_tokens": warm_tokens if engine.target.shapes is not None else 0,
             "max_new_tokens": max_new_tokens, "classes": classes, "arms": report_arms,
-            "lossless": not any(not d["near_tie"] for d in divergences), "divergences": divergences}
+            "lossless": not any(is_mismatch(d) for d in divergences), "divergences": divergences}
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -271,5 +271,5 @@ def format_concurrent(report: dict) -> str:
             f"{name} {cls} {c['sequential']['cached_tokens']} / {c['batched']['cached_tokens']}"
             for name, arm in report["arms"].items() for cls, c in arm["classes"].items()))
     lines.append("lossless: " + ("yes" if report["lossless"] else "NO: " + "; ".join(
-        f"{d['arm']} {d['cls']}#{d['prompt']}" for d in report["divergences"] if not d["near_tie"])))
+        f"{d['arm']} {d['cls']}#{d['prompt']}" for d in report["divergences"] if is_mismatch(d))))
     return "\n".join(lines)

@@ -50,6 +50,30 @@ def test_planted_mismatch_is_caught_with_a_real_margin(eng):
     assert B.check_lossless(eng, COPY, base, list(base), "x") is None
 
 
+def test_a_reference_that_left_the_clean_order_is_re_anchored(eng):
+    """bf16 on a GPU moves a logit a few units between two runs of one request: where the
+    reference run, not the arm, left the clean forward's choice, the arm's rest is checked against
+    clean greedy decoding from there on."""
+    base = eng.generate(COPY, mode="baseline", max_new_tokens=20).token_ids
+    assert B.clean_greedy(eng, COPY, len(base)) == base
+    logits, _ = eng.target.prefill(COPY + base[:6], eng.target.new_cache())
+    second = mx.argsort(-logits)[1].item()
+    drifted = base[:6] + [second] + B.clean_greedy(eng, COPY + base[:6] + [second], len(base) - 7)
+    report = B.check_lossless(eng, COPY, drifted, base, "arm")
+    assert report["index"] == 6 and report["top1"] == base[6] and not report["near_tie"]
+    assert report["reference_drift"] and report["after"] is None
+    assert not B.is_mismatch(report) and B.divergence_kind(report) == "reference drift"
+    wrong = list(base)  # the arm's rest is still checked: a wrong token after the drift is a mismatch
+    wrong[12] = (base[12] + 1) % 96
+    report = B.check_lossless(eng, COPY, drifted, wrong, "arm")
+    assert report["reference_drift"] and report["after"]["index"] == 12 - 7 and B.is_mismatch(report)
+    assert B.divergence_kind(report) == "MISMATCH"
+    planted = list(base)  # an arm that leaves the clean order itself is no drift
+    planted[6] = second
+    report = B.check_lossless(eng, COPY, base, planted, "arm")
+    assert "reference_drift" not in report and B.is_mismatch(report)
+
+
 def test_run_benchmark_on_a_tiny_model(eng, cache_dir):
     prompts = [("code", COPY), ("chat", list(range(2, 30)))]
     arms = B.make_arms(["lookup"], [4, "auto"], noise_floor=True)

@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine.benchmark import format_multi_turn, format_report, make_arms, parse_caps, run_benchmark, run_multi_turn
+from engine.benchmark import (
+    format_multi_turn,
+    format_report,
+    is_mismatch,
+    make_arms,
+    parse_caps,
+    run_benchmark,
+    run_multi_turn,
+)
 from engine.concurrent_bench import AGENT, agent_prompts
 from engine.context_bench import check_single_turn, format_context, parse_contexts, run_context
 from engine.prompts import CLASSES, SPEC_BENCH, SUITES, load_conversations, load_prompts, load_spec_bench
@@ -176,5 +184,5 @@ def _finish(args: argparse.Namespace, report: dict) -> int:
         Path(args.json).expanduser().parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).expanduser().write_text(json.dumps(report, indent=1))
         print(f"report: {args.json}", file=sys.stderr)
-    mismatches = [d for d in report["divergences"] if not d["near_tie"]]
+    mismatches = [d for d in report["divergences"] if is_mismatch(d)]
     return 3 if mismatches else 0
