@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from engine.agent_session import Session, build_delegating_session, build_session
 from engine.benchmark import (
+    PLAIN_REANCHORS,
     Arm,
     _accept_per_round,
     _tps,
@@ -143,7 +144,7 @@ def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session 
         for trial, runs in enumerate(results[a.name]):
             for j, r in enumerate(runs):
                 bad = None if a.name == "baseline" and trial == 0 else \
-                    check_lossless(engine, requests[j], reference[j], r.token_ids, a.name)
+                    check_lossless(engine, requests[j], reference[j], r.token_ids, a.name, reanchors=PLAIN_REANCHORS)
                 if bad is not None:
                     bad.update(trial=trial, prompt=j, cls=session.labels[j])
                     divergences.append(bad)

@@ -32,6 +32,7 @@ from engine.warmup import tokens_for
 if TYPE_CHECKING:
     from engine.generate import Engine, GenerationResult
 
+PLAIN_REANCHORS = 2  # drifts of a plain-decoding reference the lossless check re-anchors past, in a row
 TIE_MARGIN = 1e-3  # top-2 logit gap (relative to max(1, |top-1|)) below which a flip is a near-tie
 
 
@@ -152,15 +153,16 @@ def clean_greedy(engine: "Engine", prompt_ids: Sequence[int], max_new_tokens: in
 
 
 def check_lossless(engine: "Engine", prompt_ids: Sequence[int], reference: Sequence[int], other: Sequence[int],
-                   arm: str = "", *, reanchors: int = 2) -> dict | None:
+                   arm: str = "", *, reanchors: int = 0) -> dict | None:
     """None when ``other`` reproduces ``reference``; else a report of the first divergence.
 
-    Where the arm's token is the clean forward's first choice and the reference's is not, by more
-    than a near-tie, it was the reference run that left the target's order (its own rounding: a
-    restored prefix, a batched row; bf16 on a GPU moves a logit a few units between two runs of
-    the same request). Then the arm's remaining tokens are checked against clean greedy decoding
-    from its token on (``reference_drift``; ``after``: that check's divergence, None when equal),
-    at most ``reanchors`` times in a row."""
+    ``reanchors`` > 0, for a reference that is plain decoding: where the arm's token is the clean
+    forward's first choice and the reference's is not, by more than a near-tie, it was the plain
+    run that left the target's order (its own rounding: a restored prefix; bf16 on a GPU moves a
+    logit a few units between two runs of the same request). Then the arm's remaining tokens are
+    checked against clean greedy decoding from its token on (``reference_drift``; ``after``: that
+    check's divergence, None when equal), at most ``reanchors`` times in a row. A reference that
+    is itself a speculative run (the concurrent benchmark's one-at-a-time rows) is not excused so."""
     i = first_divergence(reference, other)
     if i is None:
         return None
@@ -319,7 +321,7 @@ def run_benchmark(engine: "Engine", prompts: Sequence[tuple[str, Any]], arms: Se
             for j, r in enumerate(results[arm.name][trial]):
                 if arm.name == "baseline" and trial == 0:
                     continue
-                bad = check_lossless(engine, encoded[j], reference[j], r.token_ids, arm.name)
+                bad = check_lossless(engine, encoded[j], reference[j], r.token_ids, arm.name, reanchors=PLAIN_REANCHORS)
                 if bad is not None:
                     bad.update(trial=trial, prompt=j, cls=prompts[j][0])
                     divergences.append(bad)
