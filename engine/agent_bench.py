@@ -102,8 +102,8 @@ def best_tps(runs: Sequence[Sequence["GenerationResult"]]) -> float:
 
 
 def run_agent_replay(engine: "Engine", arms: Sequence[Arm], *, session: Session | None = None, shape: str = "single",
-                     trials: int = 1,
-                     max_new_tokens: int = 128, progress: Callable[[int, int, str], None] | None = None,
+                     trials: int = 1, max_new_tokens: int = 128,
+                     progress: Callable[[int, int, str], None] | None = None,
                      calibration_progress: Callable | None = None,
                      warmup_progress: Callable | None = None) -> dict:
     """Replay ``session`` (default: the ``shape`` session, ``single`` or ``delegating``) in every arm

@@ -16,6 +16,10 @@ tool descriptions, the task, then the agent's tool calls and their results as us
 the files read come back in later requests again. The agent's turns are the trace's own (a
 replay: what the replayed model writes is timed, not fed back). Everything is a function of
 the installed source: the same version gives the same session.
+
+``build_delegating_session`` does the same rename the way an agent with sub-agents does it: each
+module that uses the helper goes to a sub-agent in a fresh conversation, so what one sub-agent
+read and wrote is in no later request's own context.
 """
 
 from __future__ import annotations
@@ -242,7 +246,7 @@ class Workspace:
         texts = {path: source_text(path) for path in source_files() if path != own}
         old, home = pick_symbol(texts)
         users = sorted(p for p, t in texts.items() if p != home and uses(t, old))
-        return cls(texts, old, old + NEW_SUFFIX, home, users[:FIRST_PASS + 1])
+        return cls(texts, old, old + NEW_SUFFIX, home, users[:FIRST_PASS + 1])  # the modules the sessions edit
 
     def task(self) -> str:
         return (f"Rename the helper `{self.old}` (defined in {self.home}) to `{self.new}` everywhere in the engine "
