@@ -170,10 +170,15 @@ def rename(text: str, old: str, new: str) -> str:
     return re.sub(rf"\b{old}\b", new, text)
 
 
+def replacements(text: str, old: str) -> str:
+    """How many uses of ``old`` a ``replace_all`` edit of ``text`` replaces, in words."""
+    count = len(re.findall(rf"\b{old}\b", text))
+    return f"{count} replacement{'s' if count != 1 else ''}"
+
+
 def edit_result(path: str, before: str, after: str, old: str) -> str:
-    count = len(re.findall(rf"\b{old}\b", before))
     line = first_hit(before, old)
-    return (f"The file {path} has been updated ({count} replacement{'s' if count != 1 else ''}). The edited lines:\n"
+    return (f"The file {path} has been updated ({replacements(before, old)}). The edited lines:\n"
             + numbered(after, line - 3, 7))
 
 
@@ -335,10 +340,10 @@ def build_delegating_session() -> Session:
         lines = "\n".join(h for h in hits if h.startswith(path + ":"))
         job = (f"In {path}, rename the helper `{old}` to `{new}` (its definition in {home} is renamed already): "
                f"its import and every use. The lines that name it now:\n{lines}")
-        count = len(re.findall(rf"\b{old}\b", ws.texts[path]))
+        replaced = replacements(ws.texts[path], old)
         sub = Conversation(session, SUB_AGENT, job, label="sub-agent ")
         ws.edit(sub, path, f"I rename every use in {path} at once.")
-        report = f"Renamed `{old}` to `{new}` in {path} ({count} replacement{'s' if count != 1 else ''})."
+        report = f"Renamed `{old}` to `{new}` in {path} ({replaced})."
         chat.turn(f"{path} uses it too; a sub-agent renames it there.", "task", report,
                   description=f"rename in {path}", prompt=job)
     chat.turn("Now the tests.", "run_tests", tests_passed([home] + ws.users, ws.texts))

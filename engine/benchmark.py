@@ -103,19 +103,22 @@ def first_divergence(reference: Sequence[int], other: Sequence[int]) -> int | No
     return None
 
 
-def divergence_margin(engine: "Engine", prompt_ids: Sequence[int], prefix: Sequence[int]) -> dict:
-    """The target's top-2 at the position after ``prompt_ids + prefix``, from a clean cache."""
+def clean_top(engine: "Engine", ids: Sequence[int], k: int = 2) -> tuple[list[tuple[int, float]], Any]:
+    """The target's ``k`` highest next-token logits after ``ids`` (as float32), from a clean
+    cache, and the dtype the target computed them in."""
     import mlx.core as mx
 
     target = engine.target
-    forwards = target.forwards
-    logits, _ = target.prefill(list(prompt_ids) + list(prefix), target.new_cache())
-    target.forwards = forwards
-    native = logits.dtype
-    logits = logits.astype(mx.float32)
-    top = mx.argsort(-logits)[:2].tolist()
-    v1, v2 = logits[top[0]].item(), logits[top[1]].item()
-    return {"top1": int(top[0]), "top2": int(top[1]), "logit1": v1, "logit2": v2, "margin": v1 - v2,
+    with target.uncounted():
+        logits, _ = target.prefill(list(ids), target.new_cache())
+    native, logits = logits.dtype, logits.astype(mx.float32)
+    return [(int(t), logits[t].item()) for t in mx.argsort(-logits)[:k].tolist()], native
+
+
+def divergence_margin(engine: "Engine", prompt_ids: Sequence[int], prefix: Sequence[int]) -> dict:
+    """The target's top-2 at the position after ``prompt_ids + prefix``, from a clean cache."""
+    ((t1, v1), (t2, v2)), native = clean_top(engine, list(prompt_ids) + list(prefix))
+    return {"top1": t1, "top2": t2, "logit1": v1, "logit2": v2, "margin": v1 - v2,
             "near_tie": is_near_tie(v1, v2, native), "logit_dtype": str(native).replace("mlx.core.", "")}
 
 
@@ -144,11 +147,10 @@ def clean_greedy(engine: "Engine", prompt_ids: Sequence[int], max_new_tokens: in
     from engine.speculative import decode
 
     target = engine.target
-    forwards = target.forwards
     out: list[int] = []
-    for new, _ in decode(target, None, list(prompt_ids), Sampler(SamplingParams()), max_new_tokens=max_new_tokens):
-        out += new
-    target.forwards = forwards
+    with target.uncounted():
+        for new, _ in decode(target, None, list(prompt_ids), Sampler(SamplingParams()), max_new_tokens=max_new_tokens):
+            out += new
     return out
 
 

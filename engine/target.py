@@ -350,6 +350,16 @@ class Target:
         return self._blocker
 
     @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Forwards inside the block are not generation work: the telemetry counter comes back after
+        (load-time proofs, checks, a benchmark's clean re-runs)."""
+        forwards = self.forwards
+        try:
+            yield
+        finally:
+            self.forwards = forwards
+
+    @contextmanager
     def prompt_embeddings(self, embeddings: Callable[[int, int], mx.array | None] | None) -> Iterator[None]:
         """While open, ``prefill`` asks ``embeddings(start, end)`` for the input embeddings of
         prompt rows [start, end) (an image prompt's) and feeds the token ids where it gives None."""
@@ -486,9 +496,8 @@ class Target:
         clean forward over the kept tokens would (state and next logits); try the other method
         when the chosen one fails. The reason speculation is refused, or None."""
         ids = [(5 * i + 3) % max(2, self.vocab_size) for i in range(9)]
-        forwards = self.forwards
         errors = []
-        try:
+        with self.uncounted():
             for method in (self.recorder.method, *(m for m in recurrent.METHODS if m != self.recorder.method)):
                 self.recorder.method = method
                 try:
@@ -498,8 +507,6 @@ class Target:
                 if error is None:
                     return None
                 errors.append(f"{method}: {error}")
-        finally:
-            self.forwards = forwards
         return f"rolling back its recurrent state failed the load-time check ({'; '.join(errors)})"
 
     def _rollback_error(self, ids: list[int]) -> str | None:

@@ -259,14 +259,11 @@ def _probe(engine: Any, vision: Vision) -> str | None:
                           [image], vision=vision)
     target = engine.target
     step = mx.array([[prompt.ids[-1]]])
-    forwards = target.forwards
-    try:
+    with target.uncounted():
         cache = target.new_cache()
         with target.prompt_embeddings(prompt.embeddings):
             want_first, _ = target.prefill(prompt.ids, cache)
         want_next = target.forward(step, cache)[0][-1]
-    finally:
-        target.forwards = forwards
     lm = vision.model.language_model
     ref_cache = make_prompt_cache(lm)
     ids = mx.array([prompt.ids])

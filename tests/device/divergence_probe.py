@@ -14,22 +14,9 @@ import argparse
 import json
 import time
 
-import mlx.core as mx
-
 from engine.api import load
-from engine.benchmark import first_divergence, is_near_tie
+from engine.benchmark import clean_top, first_divergence, is_near_tie
 from engine.prompts import CLASSES, load_prompts, load_spec_bench
-
-
-def top3(engine, ids: list[int]) -> tuple[list[tuple[int, float]], mx.Dtype]:
-    """The clean forward's three highest logits (as float32) after ``ids``, and their own dtype."""
-    target = engine.target
-    forwards = target.forwards
-    logits, _ = target.prefill(ids, target.new_cache())
-    target.forwards = forwards
-    native, logits = logits.dtype, logits.astype(mx.float32)
-    order = mx.argsort(-logits)[:3].tolist()
-    return [(int(t), logits[t].item()) for t in order], native
 
 
 def main() -> int:
@@ -68,7 +55,7 @@ def main() -> int:
             d = {"dtype": dtype, "mode": spec, "index": i, "baseline_token": base[i], "mode_token": tokens[i],
                  "top3": {}}
             for dt, e in engines.items():
-                d["top3"][dt], native = top3(e, where)
+                d["top3"][dt], native = clean_top(e, where, 3)
                 if dt == dtype:
                     d["near_tie"] = is_near_tie(d["top3"][dt][0][1], d["top3"][dt][1][1], native)
             out["divergences"].append(d)
