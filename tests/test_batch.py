@@ -172,10 +172,16 @@ def _engine_for(mode: str, tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "eagle3", "mtp", "lookup-first"])
-def test_every_drafter_batches(mode, tmp_path):
+def test_every_drafter_batches(mode, tmp_path, monkeypatch):
     """Each mode's rows (own drafter state each, different caps, one joining mid-flight) equal
-    their requests alone."""
+    their requests alone; rows whose drafters have a head propose together."""
     eng, run_mode = _engine_for(mode, tmp_path)
+    together: list[int] = []
+    head_type = type(eng.drafter(run_mode))
+    if mode != "lookup-first" and hasattr(head_type, "propose_rows"):
+        propose_rows = head_type.propose_rows
+        monkeypatch.setattr(head_type, "propose_rows",
+                            staticmethod(lambda requests: together.append(len(requests)) or propose_rows(requests)))
     prompts = [[t % (eng.target.vocab_size - 2) + 2 for t in p] for p in PROMPTS]
     requests = [dict(prompt=p, mode=run_mode, max_new_tokens=n, max_draft=cap)
                 for p, n, cap in zip(prompts, BUDGETS, [4, 2, 3, 4])]
@@ -186,6 +192,7 @@ def test_every_drafter_batches(mode, tmp_path):
         assert_same_greedy(eng.model, r["prompt"], w.token_ids, t.result.token_ids, f"{mode} batched")
         assert_caches_clean(eng, t)
     assert max(widths) == 3 and sum(t.result.drafted for t in tickets) > 0
+    assert (max(together) >= 2) if mode in ("dspark", "dflash", "eagle3", "mtp") else not together
 
 
 def test_seeded_sampling_alone_equals_batched():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.sampling import Sampler
 
@@ -145,6 +146,6 @@ class Drafter:
         for name, value in vars(self).items():
             if isinstance(value, Drafter):
                 setattr(twin, name, value.fork())
-            elif isinstance(value, (list, dict, set)):
+            elif isinstance(value, (list, dict, set)) and not isinstance(value, nn.Module):  # a Module is a dict
                 setattr(twin, name, copy.copy(value))
         return twin

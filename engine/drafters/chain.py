@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from engine import caches
 from engine.drafters.base import Draft, Drafter, DrafterState
@@ -62,9 +62,14 @@ class ChainDrafter(Drafter):
         """Tapped target rows [m, ...] -> the head's feature per committed row [m, F]."""
         return hidden
 
+    def run_rows(self, tokens: mx.array, features: mx.array, caches: list) -> mx.array:
+        """Rows of R sequences (tokens [R, L], features [R, L, F]) appended to ``caches`` (this
+        drafter's own, R = 1, or a batch's merged ones) -> output states [R, L, S]."""
+        raise NotImplementedError
+
     def run(self, tokens: mx.array, features: mx.array) -> mx.array:
         """Rows (tokens [L], features [L, F]) appended to the cache -> output states [L, S]."""
-        raise NotImplementedError
+        return self.run_rows(tokens[None], features[None], self._caches)[0]
 
     def chain_features(self, state: mx.array) -> mx.array:
         """The feature a chain row reads from the previous row's output state."""
@@ -156,8 +161,7 @@ class ChainDrafter(Drafter):
 
     def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
         self._feed(ids)
-        if self._fed != len(ids) - 1 or self._pending is not None:
-            raise RuntimeError(f"{self.name} drafter out of step: {self._fed} rows for an anchor at {len(ids) - 1}")
+        self._check_anchor(ids)
         cap = min(int(cap), self.max_draft)
         if cap <= 0 or self._seed is None:
             return None
@@ -177,5 +181,59 @@ class ChainDrafter(Drafter):
             tokens.append(token)
         for cache in self._caches:  # chain rows go (the count checked); the committed rows stay
             caches.trim(cache, cap - 1)
-        q = spread_to_vocab(mx.stack(probs), self.vocab_ids, self.target.vocab_size) if probs else None
-        return Draft(mx.stack(tokens), q)
+        return Draft(mx.stack(tokens), self._spread(probs))
+
+    def _spread(self, probs: list[mx.array]) -> mx.array | None:
+        return spread_to_vocab(mx.stack(probs), self.vocab_ids, self.target.vocab_size) if probs else None
+
+    @staticmethod
+    def propose_rows(requests: Sequence[tuple["ChainDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
+        """``propose`` for several sequences whose drafters share one head (rows of a batch,
+        ``engine/batch.py``): each chain step runs the head once over every row, its attention over
+        a copy of each row's committed rows (mlx-lm's ``BatchKVCache.merge``, left-padded), and its
+        logits once for every row. The chain rows live in that copy, which is dropped after; the
+        rows' own caches are only read. Each row's draft is one ``propose`` could give it alone
+        (the head's sums may differ in the last bits); a row samples with its own sampler, one key
+        per slot it keeps, as alone."""
+        caps = []
+        for drafter, ids, cap, _ in requests:
+            drafter._feed(ids)
+            drafter._check_anchor(ids)
+            caps.append(min(int(cap), drafter.max_draft) if drafter._seed is not None else 0)
+        live = [b for b, cap in enumerate(caps) if cap > 0]
+        out: list[Draft | None] = [None] * len(requests)
+        if len(live) < 2:
+            for b in live:
+                drafter, ids, cap, sampler = requests[b]
+                out[b] = drafter.propose(ids, cap, sampler)
+            return out
+        drafters = [requests[b][0] for b in live]
+        samplers = [requests[b][3] for b in live]
+        width = max(caps[b] for b in live)
+        head = drafters[0]
+        merged = [BatchKVCache.merge([d._caches[i] for d in drafters]) for i in range(len(head._caches))]
+        state = mx.stack([d._seed for d in drafters])
+        tokens, probs = [], [[] for _ in live]
+        for k in range(width):
+            if k:
+                state = head.run_rows(token[:, None], head.chain_features(state)[:, None], merged)[:, 0]
+            logits = head.logits(state)
+            picks = mx.argmax(logits, axis=-1)
+            if not all(s.greedy for s in samplers):
+                picks = [picks[r] if s.greedy or k >= caps[b] else None for r, (s, b) in enumerate(zip(samplers, live))]
+                for r, sampler in enumerate(samplers):
+                    if picks[r] is None:
+                        q = sampler.probs(logits[r])
+                        probs[r].append(q)
+                        picks[r] = sample_from(q, sampler.next_key())
+                picks = mx.stack(picks)
+            token = head._to_target(picks)
+            tokens.append(token)
+        tokens = mx.stack(tokens, axis=1)
+        for r, (b, drafter) in enumerate(zip(live, drafters)):
+            out[b] = Draft(tokens[r, : caps[b]], drafter._spread(probs[r]))
+        return out
+
+    def _check_anchor(self, ids: Sequence[int]) -> None:
+        if self._fed != len(ids) - 1 or self._pending is not None:
+            raise RuntimeError(f"{self.name} drafter out of step: {self._fed} rows for an anchor at {len(ids) - 1}")

@@ -38,8 +38,30 @@ class DFlashDrafter(BlockDrafter):
         if cap <= 0:
             return None
         h = self.block_states(ids)[1 : 1 + cap]
-        logits = self.logits(h)
+        return self.draft(h, self.logits(h), int(ids[-1]), sampler)
+
+    def draft(self, h: mx.array, logits: mx.array, anchor: int, sampler: Sampler) -> Draft:
+        """The draft from the block's drafting slots: states h [k, H], their logits [k, V]."""
         if sampler.greedy:
             return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32))
         q = sampler.probs(logits)
         return Draft(sample_from(q, sampler.next_key()).astype(mx.uint32), q)
+
+    @staticmethod
+    def propose_rows(requests: Sequence[tuple["DFlashDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
+        """``propose`` for several sequences whose drafters share one model (rows of a batch,
+        ``engine/batch.py``): one block forward serves every row (each over its own context), one
+        head forward every row's slots; then each row drafts with its own sampler, as alone. Each
+        row's draft is one ``propose`` could give it alone (the sums may differ in the last bits)."""
+        caps = [min(int(cap), d.max_draft) for d, _, cap, _ in requests]
+        live = [b for b, cap in enumerate(caps) if cap > 0]
+        if len(live) < 2:
+            return [d.propose(ids, cap, s) if cap > 0 else None for (d, ids, _, s), cap in zip(requests, caps)]
+        width = max(caps[b] for b in live)
+        h = BlockDrafter.block_states_rows([requests[b][:2] for b in live])[:, 1 : 1 + width]
+        logits = requests[live[0]][0].logits(h)
+        out: list[Draft | None] = [None] * len(requests)
+        for r, b in enumerate(live):
+            drafter, ids, _, sampler = requests[b]
+            out[b] = drafter.draft(h[r, : caps[b]], logits[r, : caps[b]], int(ids[-1]), sampler)
+        return out

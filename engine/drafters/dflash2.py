@@ -42,12 +42,12 @@ class DynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
 
     def kernels(self, x: mx.array) -> mx.array:
-        """x [1, L, H] -> dynamic kernels [1, L, 2, K, H/group]."""
+        """x [R, L, H] -> dynamic kernels [R, L, 2, K, H/group]."""
         b, n, h = x.shape
         return self.kernel_projection(x).reshape(b, n, 2, self.kernel, h // self.group)
 
     def convolve(self, x: mx.array, dyn: mx.array, which: int) -> mx.array:
-        """Convolve x [1, L, H] with base_kernel[which] + dyn[:, :, which]."""
+        """Convolve x [R, L, H] with base_kernel[which] + dyn[:, :, which]."""
         b, n, h = x.shape
         groups = h // self.group
         blocks = x.reshape(b, n, groups, self.group)
@@ -68,7 +68,7 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, x: mx.array, kv: ContextKV) -> mx.array:
+    def __call__(self, x: mx.array, kv: ContextKV | list[ContextKV]) -> mx.array:
         h = self.input_layernorm(x)
         dyn = self.attention_conv.kernels(h)
         a = self.self_attn(self.attention_conv.convolve(h, dyn, 0), kv)
@@ -108,18 +108,14 @@ class DFlash2Drafter(DFlashDrafter):
         super().__init__(model, cfg, target)
         self.top_k = min(cfg.selector_top_k, target.vocab_size)
 
-    def propose(self, ids: Sequence[int], cap: int, sampler: Sampler) -> Draft | None:
-        cap = min(int(cap), self.max_draft)
-        if cap <= 0:
-            return None
-        h = self.block_states(ids)[1 : 1 + cap]
-        cands, unary = top_candidates(self.logits(h).astype(mx.float32), self.top_k)
+    def draft(self, h: mx.array, logits: mx.array, anchor: int, sampler: Sampler) -> Draft:
+        cands, unary = top_candidates(logits.astype(mx.float32), self.top_k)
         selector = self.model.candidate_selector
         proj = selector.hidden_projection(h).astype(mx.float32)
         succ = selector.successor_codebook[cands].astype(mx.float32)  # [cap, K, r]
-        prev = mx.array(int(ids[-1]), dtype=mx.uint32)
+        prev = mx.array(anchor, dtype=mx.uint32)
         tokens, probs = [], []
-        for k in range(cap):
+        for k in range(h.shape[0]):
             edge = succ[k] @ (selector.predecessor_codebook[prev].astype(mx.float32) * proj[k])
             scores = unary[k] + edge
             if sampler.greedy:

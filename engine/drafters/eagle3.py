@@ -76,9 +76,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(b, n, self.n_heads, -1).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, n, self.n_kv, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, n, self.n_kv, -1).transpose(0, 2, 1, 3)
+        # Rows after the cached ones, in order ("causal", or none for one row); a batch's merged
+        # cache also masks each row's left padding. Asked before the rows go in, as mlx-lm does.
+        mask = cache.make_mask(n, return_array=False, window_size=None)
         q, k = self.rope(q, offset=cache.offset), self.rope(k, offset=cache.offset)
         k, v = cache.update_and_fetch(k, v)
-        mask = "causal" if n > 1 else None  # rows after the cached ones, in order
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
@@ -137,7 +139,7 @@ class Eagle3Model(nn.Module):
         return self.fc(taps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, caches: list) -> mx.array:
-        """embeds, g [1, L, H] -> pre-norm outputs [1, L, H]; appends L rows to ``caches``."""
+        """embeds, g [R, L, H] -> pre-norm outputs [R, L, H]; appends L rows to ``caches``."""
         x = self.layers[0](embeds, hidden, caches[0])
         for layer, cache in zip(self.layers[1:], caches[1:]):
             x = layer(x, cache)
@@ -163,10 +165,10 @@ class Eagle3Drafter(ChainDrafter):
     def context_features(self, hidden: mx.array) -> mx.array:
         return self.model.features(hidden.astype(self.model.dtype))
 
-    def run(self, tokens: mx.array, features: mx.array) -> mx.array:
+    def run_rows(self, tokens: mx.array, features: mx.array, caches: list) -> mx.array:
         embed = self.model.embed_tokens if self.cfg.own_embedding else self.target.embed_tokens
         dtype = self.model.dtype
-        return self.model(embed(tokens)[None].astype(dtype), features[None].astype(dtype), self._caches)[0]
+        return self.model(embed(tokens).astype(dtype), features.astype(dtype), caches)
 
     def logits(self, state: mx.array) -> mx.array:
         return self.model.logits(state)

@@ -42,7 +42,7 @@ class MTPHead(nn.Module):
         self.norm = nn.RMSNorm(hidden_size, eps=eps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, caches: list) -> mx.array:
-        """embeds, hidden [1, L, H] -> normed outputs [1, L, H]; appends L rows to ``caches``."""
+        """embeds, hidden [R, L, H] -> normed outputs [R, L, H]; appends L rows to ``caches``."""
         x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1))
         for layer, cache in zip(self.layers, caches):
             mask = cache.make_mask(x.shape[1], return_array=False, window_size=None)
@@ -62,10 +62,9 @@ class MTPDrafter(ChainDrafter):
     def __init__(self, head: MTPHead, target: "Target", depth: int = MAX_DEPTH):
         super().__init__(head, target, depth=max(1, min(int(depth), MAX_DEPTH)))
 
-    def run(self, tokens: mx.array, features: mx.array) -> mx.array:
+    def run_rows(self, tokens: mx.array, features: mx.array, caches: list) -> mx.array:
         dtype = self.model.dtype
-        embeds = self.target.embed_tokens(tokens)[None].astype(dtype)
-        return self.model(embeds, features[None].astype(dtype), self._caches)[0]
+        return self.model(self.target.embed_tokens(tokens).astype(dtype), features.astype(dtype), caches)
 
     def logits(self, state: mx.array) -> mx.array:
         return self.target.head(state)
@@ -90,8 +89,10 @@ class NextNHead(nn.Module):
         self.shared_head = _SharedHead(hidden_size, eps)
 
     def __call__(self, embeds: mx.array, hidden: mx.array, caches: list) -> mx.array:
-        """embeds, hidden [1, L, H] -> pre-norm states [1, L, H]; appends L rows to ``caches``."""
-        if caches[0].offset == 0:  # the row at position 0 has no previous token: no embedding
+        """embeds, hidden [R, L, H] -> pre-norm states [R, L, H]; appends L rows to ``caches``."""
+        # The row at position 0 has no previous token: no embedding. (A batch's merged caches,
+        # whose offsets are per row, only ever chain after committed rows.)
+        if isinstance(caches[0].offset, int) and caches[0].offset == 0:
             embeds = mx.concatenate([mx.zeros_like(embeds[:, :1]), embeds[:, 1:]], axis=1)
         x = self.eh_proj(mx.concatenate([self.enorm(embeds), self.hnorm(hidden)], axis=-1))
         for layer, cache in zip(self.layers, caches):

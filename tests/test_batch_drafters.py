@@ -1,0 +1,171 @@
+"""A batch's rows whose drafters share one model propose together (``propose_rows``): EAGLE-3 and
+MTP heads run each chain step once over every row (their attention over a left-padded copy of each
+row's committed rows), DFlash and DFlash 2 one block forward and one head forward. Each row's
+drafts and q are those it gets proposing alone, with rows of different context lengths and caps;
+the rows' own caches are untouched. (DSpark's: ``tests/test_block_drafters.py``.)"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.batch import BatchLoop, BatchRow
+from engine.drafters import formats
+from engine.sampling import Sampler, SamplingParams
+from engine.speculative import FixedCap
+from tests import drafter_ckpt as ck
+from tests.test_block_drafters import bigram_engine, drafter_for, write_dflash
+from tests.test_dflash2 import write_dflash2
+from tests.test_mtp import sidecar_config
+from tests.test_mtp_nextn import CONFIGS, build, nextn_tensors
+from tests.test_sampling import Tally, assert_exact
+from tests.tiny import make_tiny_engine, make_tokenizer
+
+GREEDY = Sampler(SamplingParams())
+KINDS = ["eagle3", "mtp", "deepseek_v3", "glm4_moe", "dflash", "dflash2"]
+
+
+def drafter_of(kind: str, tmp_path):
+    """(engine, drafter) with random weights, so attention and every draft depend on the context."""
+    from engine.generate import Engine
+
+    if kind in ("deepseek_v3", "glm4_moe"):
+        model = build(kind, 2, seed=3)
+        tensors = nextn_tensors(kind, model, build(kind, 3, seed=4).model.layers[2], scale=0.5)
+        engine = Engine(model, make_tokenizer(model.args.vocab_size), name=f"tiny-{kind}")
+        head = formats.load_mtp_head(engine.target, dict(CONFIGS[kind]), {k: mx.array(v) for k, v in tensors.items()},
+                                     where="test")
+        return engine, formats.mtp_drafter(head, engine.target)
+    if kind == "mtp":
+        engine = bigram_engine()
+        config = sidecar_config(engine)
+        tensors = ck.mtp_tensors(config["text_config"], seed=1, prefix="")
+        head = formats.load_mtp_head(engine.target, config, {k: mx.array(v) for k, v in tensors.items()}, where="test")
+        return engine, formats.mtp_drafter(head, engine.target)
+    engine = make_tiny_engine("qwen3", seed=3)
+    if kind == "eagle3":
+        # Attention spread over every row (small queries) and weighing in the output (large
+        # o_proj): a padded or foreign row in a row's attention would show.
+        cfg, w = ck.eagle3_checkpoint(ck.target_config_of(engine.model), aux=[1, 2], scale=0.5)
+        w["layers.0.self_attn.q_proj.weight"] *= 0.05
+        w["layers.0.self_attn.o_proj.weight"] *= 8
+        return engine, drafter_for(engine, ck.write(tmp_path / kind, cfg, w), kind)
+    write = {"dflash": write_dflash, "dflash2": write_dflash2}[kind]
+    return engine, drafter_for(engine, write(tmp_path / kind, engine, taps=[0, 2], scale=0.5), "dflash")
+
+
+def started_rows(engine, drafter, contexts):
+    """One fork of ``drafter`` per context, begun on its prompt (the last token is the anchor)."""
+    target = engine.target
+    target.set_taps(drafter.tap_layers)
+    rows = []
+    for ids in contexts:
+        d = drafter.fork()
+        _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
+        d.begin(ids[:-1], hidden)
+        rows.append((d, ids))
+    return rows
+
+
+def committed(drafter) -> list[np.ndarray]:
+    """Each layer's committed keys and values (a buffer's rows past its offset are scratch)."""
+    return [np.array(a[..., : c.offset, :]) for c in drafter._caches for a in (c.keys, c.values)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_propose_together_what_each_proposes_alone(kind, tmp_path, monkeypatch):
+    engine, drafter = drafter_of(kind, tmp_path)
+    vocab = engine.target.vocab_size
+    contexts = [[(7 * i + 3) % vocab for i in range(n)] for n in (9, 4, 14)]
+    rows = started_rows(engine, drafter, contexts)
+    caps = [drafter.max_draft, 2, 3]
+    # How many rows each forward of the drafter's own layers carried.
+    forwards: list[int] = []
+    if kind.startswith("dflash"):
+        model_type, name = type(drafter.model), "block_rows"
+    else:
+        model_type, name = type(drafter), "run_rows"
+    original = getattr(model_type, name)
+    monkeypatch.setattr(model_type, name, lambda self, x, *a: forwards.append(x.shape[0]) or original(self, x, *a))
+
+    alone = [d.propose(ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)]
+    before = [committed(d) for d, _ in rows]
+    forwards.clear()
+    together = type(drafter).propose_rows([(d, ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)])
+    assert [a.tokens.tolist() for a in alone] == [t.tokens.tolist() for t in together]
+    assert [len(t) for t in together] == [min(c, drafter.max_draft) for c in caps]
+    assert forwards and set(forwards) == {3}  # every forward carried the three rows
+    for (d, _), cached in zip(rows, before):  # the rows' committed state is only read
+        assert all(np.array_equal(a, b) for a, b in zip(committed(d), cached))
+
+    # A row with nothing to draft (cap 0) gets None; the others still propose together.
+    forwards.clear()
+    mixed = type(drafter).propose_rows([(d, ids, cap, GREEDY) for (d, ids), cap in zip(rows, [0, 2, 3])])
+    assert mixed[0] is None
+    assert [m.tokens.tolist() for m in mixed[1:]] == [a.tokens.tolist()[:cap] for a, cap in zip(alone[1:], (2, 3))]
+    assert set(forwards) == {2}
+
+    samplers = lambda: [Sampler(SamplingParams(0.9, 1.0, 0, seed=s)) for s in (1, 2, 3)]  # noqa: E731
+    alone = [d.propose(ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())]
+    together = type(drafter).propose_rows([(d, ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())])
+    for a, t in zip(alone, together):
+        assert a.tokens.tolist() == t.tokens.tolist()
+        assert np.abs(np.array(a.probs) - np.array(t.probs)).max() < 1e-5
+    first_q = [np.array(a.probs[0]) for a in alone]  # the rows' distributions differ: nothing above is vacuous
+    assert min(np.abs(p - q).max() for i, p in enumerate(first_q) for q in first_q[i + 1:]) > 1e-3
+
+
+def test_chain_rows_drafting_together_sample_the_target_exactly(tmp_path):
+    """Three rows at a time on one EAGLE-3 head, their sampled multi-token drafts proposed
+    together (q sharper than p: rejections at every position): every row's tokens follow the
+    target's exact conditionals."""
+    from tests.test_eagle3 import exact_eagle3
+    from tests.test_sampling import CAP, LENGTH, PROMPT, RUNS, VOCAB
+
+    engine = bigram_engine(seed=5, vocab=VOCAB, scale=2.0)
+    base = drafter_for(engine, exact_eagle3(tmp_path / "sharp", engine, sharpen=1.2, aux=[1, 2]), "eagle3")
+    engine.target.set_taps(base.tap_layers)
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    together: list[int] = []
+    original = type(base).propose_rows
+    type_ = type(base)
+
+    def spy(requests):
+        together.append(len(requests))
+        return original(requests)
+
+    tally = Tally()
+    try:
+        type_.propose_rows = staticmethod(spy)
+        for start in range(0, RUNS + 2, 3):  # 12 rows of LENGTH tokens
+            loop = BatchLoop(engine.target, max_batch=3)
+            rows = []
+            for i in range(3):
+                # A seeded key stream (a deterministic test) on a request marked unseeded, as a
+                # server's are: only unseeded rows propose together.
+                sampler = Sampler(SamplingParams(1.0, 0.95, seed=2000 + start + i))
+                sampler.params = params
+                rows.append(loop.add(BatchRow(list(PROMPT), sampler, LENGTH, drafter=base.fork(),
+                                              cap_policy=FixedCap(CAP))))
+            tokens = {id(r): ([], []) for r in rows}
+            while loop.busy:
+                for e in loop.step():
+                    toks, positions = tokens[id(e.row)]
+                    toks += e.tokens
+                    positions += range(len(e.tokens))
+                    if e.event.drafted:
+                        tally.outcomes[e.event.drafted, e.event.accepted] += 1
+            for r in rows:
+                toks, positions = tokens[id(r)]
+                seq = PROMPT + toks
+                from engine.sampling import target_probs
+
+                exact = np.array(target_probs(engine.model(mx.array([seq]))[0, len(PROMPT) - 1 : -1], params),
+                                 dtype=np.float64)
+                for t, (token, j) in enumerate(zip(toks, positions)):
+                    tally.add(j, seq[len(PROMPT) + t - 1], token, exact[t])
+    finally:
+        type_.propose_rows = staticmethod(original)
+    assert together and max(together) == 3
+    assert_exact(tally)
