@@ -15,7 +15,7 @@ from engine.drafters import formats
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import FixedCap
 from tests import drafter_ckpt as ck
-from tests.test_block_drafters import bigram_engine, drafter_for, write_dflash
+from tests.test_block_drafters import bigram_engine, drafter_for, write_dflash, write_dspark
 from tests.test_dflash2 import write_dflash2
 from tests.test_mtp import sidecar_config
 from tests.test_mtp_nextn import CONFIGS, build, nextn_tensors
@@ -115,6 +115,29 @@ def test_rows_propose_together_what_each_proposes_alone(kind, tmp_path, monkeypa
     first_q = [np.array(a.probs[0]) for a in alone]  # the rows' distributions differ: nothing above is vacuous
     assert min(np.abs(p - q).max() for i, p in enumerate(first_q) for q in first_q[i + 1:]) > 1e-3
 
+
+
+def test_lookup_first_rows_take_their_lookup_drafts_and_the_rest_propose_together(tmp_path, monkeypatch):
+    """Behind lookup-first (the starter's DSpark mode), a row whose context repeats takes its n-gram
+    draft as alone, and the rows lookup leaves without one propose together through DSpark."""
+    from engine.drafters.dspark import DSparkDrafter
+    from engine.drafters.lookup_first import LookupFirst
+
+    engine = make_tiny_engine("qwen3", seed=3)
+    engine.lookup_first = True
+    drafter = drafter_for(engine, write_dspark(tmp_path / "dspark", engine, markov_rank=16, taps=[0, 2]), "dspark")
+    assert isinstance(drafter, LookupFirst)
+    contexts = [[5, 6, 7, 8, 9, 5, 6, 7], [11, 40, 3, 29, 17], [60, 2, 33, 48, 9, 21, 70]]
+    rows = started_rows(engine, drafter, contexts)
+    alone = [d.propose(ids, 4, GREEDY) for d, ids in rows]
+    inner: list[int] = []
+    propose_rows = DSparkDrafter.propose_rows
+    monkeypatch.setattr(DSparkDrafter, "propose_rows",
+                        staticmethod(lambda requests: inner.append(len(requests)) or propose_rows(requests)))
+    together = LookupFirst.propose_rows([(d, ids, 4, GREEDY) for d, ids in rows])
+    assert [a.source for a in alone] == [t.source for t in together] == ["lookup", "dspark", "dspark"]
+    assert [a.tokens.tolist() for a in alone] == [t.tokens.tolist() for t in together]
+    assert inner == [2]
 
 def test_chain_rows_drafting_together_sample_the_target_exactly(tmp_path):
     """Three rows at a time on one EAGLE-3 head, their sampled multi-token drafts proposed

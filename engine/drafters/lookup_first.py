@@ -55,6 +55,34 @@ class LookupFirst(Drafter):
             draft.source = self.model_drafter.name
         return draft
 
+    @staticmethod
+    def propose_rows(requests: Sequence[tuple["LookupFirst", Sequence[int], int, Sampler]]) -> list[Draft | None]:
+        """``propose`` for several rows whose model drafters share one model (rows of a batch):
+        each row's lookup first, as alone; the rows it leaves without a draft propose together
+        through the model drafter's ``propose_rows`` (one at a time where it has none)."""
+        out: list[Draft | None] = [None] * len(requests)
+        rest = []
+        for b, (drafter, ids, cap, sampler) in enumerate(requests):
+            draft = drafter.lookup.propose(ids, cap, sampler)
+            if draft is not None and len(draft):
+                drafter.from_lookup += 1
+                draft.source = drafter.lookup.name
+                out[b] = draft
+            else:
+                drafter.from_model += 1
+                rest.append(b)
+        if not rest:
+            return out
+        inner = [(requests[b][0].model_drafter, requests[b][1], min(requests[b][2], requests[b][0].model_drafter.max_draft),
+                  requests[b][3]) for b in rest]
+        together = getattr(inner[0][0], "propose_rows", None)
+        made = together(inner) if together is not None else [d.propose(ids, cap, s) for d, ids, cap, s in inner]
+        for b, (model_drafter, *_), draft in zip(rest, inner, made):
+            if draft is not None:
+                draft.source = model_drafter.name
+            out[b] = draft
+        return out
+
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         self.lookup.commit(ids, n_new, hidden)
         self.model_drafter.commit(ids, n_new, hidden)
