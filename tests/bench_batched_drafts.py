@@ -1,9 +1,11 @@
 """What a batch's draft costs when its rows propose together (``propose_rows``: one head forward
 for every row) against one proposal per row (a benchmark, not a test: pytest does not collect it).
 
-    PYTHONPATH=$PWD python tests/bench_batched_drafts.py [--rows 1,2,4] [--trials 20] [--json out.json]
+    PYTHONPATH=$PWD python tests/bench_batched_drafts.py [--model PATH] [--dtype D] [--rows 1,2,4]
+        [--trials 20] [--json out.json]
 
-The starter with its DSpark drafter, on this machine's backend and dtype policy. Each row is a
+The starter (or ``--model``, e.g. its GGUF) with its DSpark drafter, on this machine's backend and
+dtype policy (or ``--dtype``). Each row is a
 shipped prompt (chat, code, math in turn) prefilled with its drafter begun; then, per row count,
 the best of ``--trials`` of: every row proposing alone (greedy, the drafter's full block) and the
 rows proposing together, each timed to its evaluated drafts. Both must give the same drafts.
@@ -20,6 +22,8 @@ import engine  # noqa: F401  (MLX set up as the product does)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default=None)
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--json")
@@ -30,7 +34,7 @@ def main() -> None:
     from engine.prompts import load_prompts
     from engine.sampling import Sampler, SamplingParams
 
-    eng = load()
+    eng = load(args.model, dtype=args.dtype)
     eng.lookup_first = False  # the model drafter's own proposals (behind lookup, the rows lookup leaves)
     base = eng.drafter("dspark")
     target = eng.target
@@ -57,7 +61,8 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return min(times)
 
-    report = {"device": str(mx.default_device()), "drafter": base.name, "max_draft": base.max_draft, "rows": {}}
+    report = {"device": str(mx.default_device()), "dtype": str(eng.target.dtype) if hasattr(eng.target, "dtype") else None,
+              "drafter": base.name, "max_draft": base.max_draft, "rows": {}}
     print(f"{'rows':>4} {'alone ms':>9} {'together ms':>12} {'ratio':>6}")
     for n in (int(r) for r in args.rows.split(",")):
         group = rows[:n]
