@@ -193,7 +193,7 @@ def test_every_drafter_batches(mode, tmp_path, monkeypatch):
         assert_same_greedy(eng.model, r["prompt"], w.token_ids, t.result.token_ids, f"{mode} batched")
         assert_caches_clean(eng, t)
     assert max(widths) == 3 and sum(t.result.drafted for t in tickets) > 0
-    assert (max(together) >= 2) if mode != "draft" else not together
+    assert max(together) >= 2
 
 
 def test_seeded_sampling_alone_equals_batched():
@@ -205,22 +205,14 @@ def test_seeded_sampling_alone_equals_batched():
     assert [t.result.token_ids for t in tickets] == [w.token_ids for w in want]
 
 
-def test_batched_sampling_is_exact():
-    """Three rows at a time, each with its own draft-model drafter (multi-token drafts, rejections
-    at every position): every row's tokens follow the target's exact conditionals."""
-    target_model, draft_model = models()
-    from engine.target import Target
-
-    target = Target(target_model)
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=6)
-    tally = Tally()
-    base = DraftModelDrafter(draft_model, max_draft=CAP)
-    rows_per_batch, widest = 3, 0
-    for start in range(0, RUNS + 2, rows_per_batch):  # 12 rows of LENGTH tokens
+def tally_batches(target, make_row, params: SamplingParams, rows_per_batch: int = 3) -> tuple[Tally, int]:
+    """RUNS + 2 sampled rows of LENGTH tokens after PROMPT, ``rows_per_batch`` at a time in one
+    BatchLoop (``make_row(seed)`` builds each), every token tallied against the target's exact
+    conditional by draft position and previous token. Returns (the tally, the widest round)."""
+    tally, widest = Tally(), 0
+    for start in range(0, RUNS + 2, rows_per_batch):
         loop = BatchLoop(target, max_batch=rows_per_batch)
-        rows = [loop.add(BatchRow(list(PROMPT), Sampler(SamplingParams(1.0, 0.9, 6, seed=1000 + start + i)), LENGTH,
-                                  drafter=base.fork(), cap_policy=FixedCap(CAP)))
-                for i in range(rows_per_batch)]
+        rows = [loop.add(make_row(start + i)) for i in range(rows_per_batch)]
         tokens = {id(r): ([], []) for r in rows}
         while loop.busy:
             for e in loop.step():
@@ -233,11 +225,37 @@ def test_batched_sampling_is_exact():
         for r in rows:
             toks, positions = tokens[id(r)]
             seq = PROMPT + toks
-            exact = np.array(target_probs(target_model(mx.array([seq]))[0, len(PROMPT) - 1 : -1], params),
+            exact = np.array(target_probs(target.model(mx.array([seq]))[0, len(PROMPT) - 1 : -1], params),
                              dtype=np.float64)
             for t, (token, j) in enumerate(zip(toks, positions)):
                 tally.add(j, seq[len(PROMPT) + t - 1], token, exact[t])
-    assert widest == rows_per_batch
+    return tally, widest
+
+
+@pytest.mark.parametrize("proposals", ["alone", "together"])
+def test_batched_sampling_is_exact(proposals, monkeypatch):
+    """Three rows at a time, each with its own draft-model drafter (multi-token drafts, rejections
+    at every position): every row's tokens follow the target's exact conditionals. ``together``:
+    the rows' requests are marked unseeded, as a server's are, so their draft model runs each
+    forward once over the three rows (``propose_rows``); ``alone``: seeded, each row proposes alone."""
+    target_model, draft_model = models()
+    from engine.target import Target
+
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=6)
+    base = DraftModelDrafter(draft_model, max_draft=CAP)
+    together: list[int] = []
+    propose_rows = DraftModelDrafter.propose_rows
+    monkeypatch.setattr(DraftModelDrafter, "propose_rows",
+                        staticmethod(lambda requests: together.append(len(requests)) or propose_rows(requests)))
+
+    def row(seed: int) -> BatchRow:
+        sampler = Sampler(SamplingParams(1.0, 0.9, 6, seed=1000 + seed))  # a deterministic key stream either way
+        if proposals == "together":
+            sampler.params = params
+        return BatchRow(list(PROMPT), sampler, LENGTH, drafter=base.fork(), cap_policy=FixedCap(CAP))
+
+    tally, widest = tally_batches(Target(target_model), row, params)
+    assert widest == 3 and (max(together) == 3 if proposals == "together" else not together)
     assert_exact(tally)
 
 

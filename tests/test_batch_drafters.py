@@ -2,7 +2,8 @@
 MTP heads run each chain step once over every row (their attention over a left-padded copy of each
 row's committed rows), DFlash and DFlash 2 one block forward and one head forward. Each row's
 drafts and q are those it gets proposing alone, with rows of different context lengths and caps;
-the rows' own caches are untouched. (DSpark's: ``tests/test_block_drafters.py``.)"""
+the rows' own caches are untouched. DSpark rows share the block forward, the head and the
+Markov chain, and keep their confidence cuts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.batch import BatchLoop, BatchRow
+from engine.batch import BatchRow
 from engine.drafters import formats
 from engine.sampling import Sampler, SamplingParams
 from engine.speculative import FixedCap
@@ -19,7 +20,7 @@ from tests.test_block_drafters import bigram_engine, drafter_for, write_dflash, 
 from tests.test_dflash2 import write_dflash2
 from tests.test_mtp import sidecar_config
 from tests.test_mtp_nextn import CONFIGS, build, nextn_tensors
-from tests.test_sampling import Tally, assert_exact
+from tests.test_sampling import assert_exact
 from tests.tiny import make_tiny_engine, make_tokenizer
 
 GREEDY = Sampler(SamplingParams())
@@ -117,6 +118,96 @@ def test_rows_propose_together_what_each_proposes_alone(kind, tmp_path, monkeypa
 
 
 
+
+def test_draft_model_rows_propose_together_what_each_proposes_alone(monkeypatch):
+    """A draft model's rows run each forward once over the batch, through their own caches: the
+    first over every row's pending tokens (ragged: padded, the padding trimmed), then one a draft.
+    Each row's drafts, q, cache rows and bookkeeping are those its own ``propose`` leaves, over
+    two rounds (the second after commits that leave 1 or 2 tokens pending)."""
+    from engine.drafters.draft_model import DraftModelDrafter
+    from tests.tiny import make_tiny_model
+
+    engine = make_tiny_engine("llama", seed=4)
+    base = DraftModelDrafter(make_tiny_model("llama", seed=5), max_draft=4)
+    vocab = engine.target.vocab_size
+    contexts = [[(7 * i + 3) % vocab for i in range(n)] for n in (9, 4, 14)]
+    caps = [4, 2, 3]
+    rows_in_forward: list[int] = []
+    model_type = type(base.model)
+    call = model_type.__call__
+    monkeypatch.setattr(model_type, "__call__",
+                        lambda self, x, *a, **k: rows_in_forward.append(x.shape[0]) or call(self, x, *a, **k))
+
+    def check(alone_rows, together_rows, sampler, accepted=None):
+        """One round each way; then, with ``accepted`` per row, the commits a verify would make."""
+        samplers = sampler()
+        alone = [d.propose(ids, cap, s) for (d, ids), cap, s in zip(alone_rows, caps, samplers)]
+        rows_in_forward.clear()
+        samplers = sampler()
+        together = DraftModelDrafter.propose_rows([(d, ids, cap, s) for (d, ids), cap, s
+                                                   in zip(together_rows, caps, samplers)])
+        assert rows_in_forward and set(rows_in_forward) == {3}
+        for a, t, (da, _), (dt, _) in zip(alone, together, alone_rows, together_rows):
+            assert a.tokens.tolist() == t.tokens.tolist()
+            assert (a.probs is None) == (t.probs is None)
+            if a.probs is not None:
+                assert np.abs(np.array(a.probs) - np.array(t.probs)).max() < 1e-5
+            assert da._cached == dt._cached and da._uncommitted.tolist() == dt._uncommitted.tolist()
+            assert [c.offset for c in da._cache] == [c.offset for c in dt._cache]
+            for ca, ct in zip(da._cache, dt._cache):
+                assert np.allclose(np.array(ca.keys[..., : ca.offset, :]), np.array(ct.keys[..., : ct.offset, :]), atol=1e-5)
+        if accepted is None:
+            return
+        for rows in (alone_rows, together_rows):
+            for i, ((d, ids), draft, n) in enumerate(zip(rows, alone, accepted)):
+                new = ids + draft.tokens.tolist()[:n] + [(ids[-1] + 5) % vocab]
+                d.commit(new, n + 1, None)
+                rows[i] = (d, new)
+
+    greedy = lambda: [GREEDY] * 3  # noqa: E731
+    alone_rows, together_rows = started_rows(engine, base, contexts), started_rows(engine, base, contexts)
+    check(alone_rows, together_rows, greedy, accepted=[4, 0, 2])  # row 0 then has two tokens pending
+    check(alone_rows, together_rows, greedy)
+    sampled = lambda: [Sampler(SamplingParams(0.9, 1.0, 0, seed=s)) for s in (1, 2, 3)]  # noqa: E731
+    check(started_rows(engine, base, contexts), started_rows(engine, base, contexts), sampled)
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_dspark_rows_propose_together_what_each_proposes_alone(tmp_path, head, monkeypatch):
+    """A batch's DSpark rows share one block forward and one head forward (``propose_rows``):
+    each row's drafts, its q and its confidence cut are those ``propose`` gives it alone, greedy
+    and sampling."""
+    from engine.drafters.dspark import DSparkDrafter
+
+    engine = make_tiny_engine("qwen3", seed=3)
+    path = write_dspark(tmp_path / head, engine, markov_rank=16, markov_head_type=head, taps=[0, 2], markov_scale=40.0)
+    base = drafter_for(engine, path, "dspark")
+    rows = started_rows(engine, base, [[7, 8, 9, 10, 11, 12], [3, 4, 5, 6], [20, 21, 22, 23, 24, 25, 26, 27]])
+    caps = [base.max_draft, 3, 5]
+    block_rows, batched = type(base.model).block_rows, []
+    monkeypatch.setattr(type(base.model), "block_rows",
+                        lambda model, x, caches: batched.append(x.shape[0]) or block_rows(model, x, caches))
+    cut = 0
+    for threshold in (0.0, 0.3, 0.45, 0.5, 0.55, 0.7):  # no cut, then confidence cuts per row
+        base._threshold = lambda t=threshold: t
+        for d, _ in rows:
+            d._threshold = base._threshold
+        greedy = [d.propose(ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)]
+        together = DSparkDrafter.propose_rows([(d, ids, cap, GREEDY) for (d, ids), cap in zip(rows, caps)])
+        assert [None if g is None else g.tokens.tolist() for g in greedy] == \
+            [None if t is None else t.tokens.tolist() for t in together]
+        cut += sum(g is None or len(g) < cap for g, cap in zip(greedy, caps))
+    assert cut > 0  # some cut cut something
+    assert batched and set(batched) == {3}  # one block forward over the three rows each time
+    base._threshold = lambda: 0.0
+    for d, _ in rows:
+        d._threshold = base._threshold
+    samplers = lambda: [Sampler(SamplingParams(0.8, 1.0, 20, seed=s)) for s in (1, 2, 3)]  # noqa: E731
+    alone = [d.propose(ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())]
+    together = DSparkDrafter.propose_rows([(d, ids, cap, s) for (d, ids), cap, s in zip(rows, caps, samplers())])
+    for a, t in zip(alone, together):
+        assert a.tokens.tolist() == t.tokens.tolist()
+        assert np.abs(np.array(a.probs) - np.array(t.probs)).max() < 1e-6
+
 def test_lookup_first_rows_take_their_lookup_drafts_and_the_rest_propose_together(tmp_path, monkeypatch):
     """Behind lookup-first (the starter's DSpark mode), a row whose context repeats takes its n-gram
     draft as alone, and the rows lookup leaves without one propose together through DSpark."""
@@ -139,56 +230,32 @@ def test_lookup_first_rows_take_their_lookup_drafts_and_the_rest_propose_togethe
     assert [a.tokens.tolist() for a in alone] == [t.tokens.tolist() for t in together]
     assert inner == [2]
 
-def test_chain_rows_drafting_together_sample_the_target_exactly(tmp_path):
+
+def test_chain_rows_drafting_together_sample_the_target_exactly(tmp_path, monkeypatch):
     """Three rows at a time on one EAGLE-3 head, their sampled multi-token drafts proposed
     together (q sharper than p: rejections at every position): every row's tokens follow the
     target's exact conditionals."""
+    from engine.drafters.eagle3 import Eagle3Drafter
+    from tests.test_batch import tally_batches
     from tests.test_eagle3 import exact_eagle3
-    from tests.test_sampling import CAP, LENGTH, PROMPT, RUNS, VOCAB
+    from tests.test_sampling import CAP, LENGTH, PROMPT, VOCAB
 
     engine = bigram_engine(seed=5, vocab=VOCAB, scale=2.0)
     base = drafter_for(engine, exact_eagle3(tmp_path / "sharp", engine, sharpen=1.2, aux=[1, 2]), "eagle3")
     engine.target.set_taps(base.tap_layers)
     params = SamplingParams(temperature=1.0, top_p=0.95)
     together: list[int] = []
-    original = type(base).propose_rows
-    type_ = type(base)
+    propose_rows = Eagle3Drafter.propose_rows
+    monkeypatch.setattr(Eagle3Drafter, "propose_rows",
+                        staticmethod(lambda requests: together.append(len(requests)) or propose_rows(requests)))
 
-    def spy(requests):
-        together.append(len(requests))
-        return original(requests)
+    def row(seed: int) -> BatchRow:
+        # A seeded key stream (a deterministic test) on a request marked unseeded, as a server's
+        # are: only unseeded rows propose together.
+        sampler = Sampler(SamplingParams(1.0, 0.95, seed=2000 + seed))
+        sampler.params = params
+        return BatchRow(list(PROMPT), sampler, LENGTH, drafter=base.fork(), cap_policy=FixedCap(CAP))
 
-    tally = Tally()
-    try:
-        type_.propose_rows = staticmethod(spy)
-        for start in range(0, RUNS + 2, 3):  # 12 rows of LENGTH tokens
-            loop = BatchLoop(engine.target, max_batch=3)
-            rows = []
-            for i in range(3):
-                # A seeded key stream (a deterministic test) on a request marked unseeded, as a
-                # server's are: only unseeded rows propose together.
-                sampler = Sampler(SamplingParams(1.0, 0.95, seed=2000 + start + i))
-                sampler.params = params
-                rows.append(loop.add(BatchRow(list(PROMPT), sampler, LENGTH, drafter=base.fork(),
-                                              cap_policy=FixedCap(CAP))))
-            tokens = {id(r): ([], []) for r in rows}
-            while loop.busy:
-                for e in loop.step():
-                    toks, positions = tokens[id(e.row)]
-                    toks += e.tokens
-                    positions += range(len(e.tokens))
-                    if e.event.drafted:
-                        tally.outcomes[e.event.drafted, e.event.accepted] += 1
-            for r in rows:
-                toks, positions = tokens[id(r)]
-                seq = PROMPT + toks
-                from engine.sampling import target_probs
-
-                exact = np.array(target_probs(engine.model(mx.array([seq]))[0, len(PROMPT) - 1 : -1], params),
-                                 dtype=np.float64)
-                for t, (token, j) in enumerate(zip(toks, positions)):
-                    tally.add(j, seq[len(PROMPT) + t - 1], token, exact[t])
-    finally:
-        type_.propose_rows = staticmethod(original)
-    assert together and max(together) == 3
+    tally, widest = tally_batches(engine.target, row, params)
+    assert widest == 3 and max(together) == 3
     assert_exact(tally)

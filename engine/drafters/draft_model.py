@@ -18,6 +18,11 @@ Under a shape policy (engine/shapes.py, CUDA) the draft model's attention caches
 ``StableKVCache`` buffers and what a proposal feeds goes in power-of-two pieces (after a parked
 run that is hundreds of tokens): a backend that compiles a kernel per (rows, key rows) shape
 then builds a few once (``warm_up``) instead of one on nearly every proposal.
+
+Rows of a batch propose together (``propose_rows``) where their caches are plain full attention
+and no shape policy applies: each forward runs once over every row, through each row's own cache
+(``engine.batch_cache.batch_view``), so the draft model's weights are read once a step for the
+batch instead of once a row.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine import caches
+from engine.batch_cache import batch_view
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
-from engine.sampling import Sampler
+from engine.sampling import Sampler, sample_from
 from engine.shapes import ShapePolicy, StableKVCache, pieces
 
 FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
@@ -189,7 +195,7 @@ class DraftModelDrafter(Drafter):
             else:
                 q = sampler.probs(logits)
                 probs.append(q)
-                tok = mx.random.categorical(mx.log(q), key=sampler.next_key())
+                tok = sample_from(q, sampler.next_key())
             tokens.append(tok)
             if i + 1 < cap:
                 logits = self.model(tok.reshape(1, 1), cache=self._cache)[0, -1]
@@ -199,7 +205,73 @@ class DraftModelDrafter(Drafter):
         self._uncommitted = draft.tokens[: cap - 1]
         return draft
 
+    @staticmethod
+    def propose_rows(requests: Sequence[tuple["DraftModelDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
+        """``propose`` for several rows of one draft model (a batch's): each forward runs once over
+        every row, through each row's own cache. A row's pending tokens (its anchor and what was
+        committed since its last proposal) go in the first forward, padded to the longest row's
+        with copies of its anchor whose rows are trimmed from its cache right after; then one
+        forward a draft, and a row that drafts fewer than the others has the extra rows trimmed.
+        Each row ends as after its own ``propose`` (its cache's values may differ in the last
+        bits), and samples with its own sampler, a key per draft, as alone. Rows whose caches are
+        not plain full attention, or that run under a shape policy, propose alone."""
+        out: list[Draft | None] = [None] * len(requests)
+        group = []
+        for b, (drafter, ids, cap, sampler) in enumerate(requests):
+            if min(cap, drafter.max_draft) <= 0:
+                continue
+            if drafter.shapes is None and drafter._cache and all(type(c) is KVCache for c in caches.leaves(drafter._cache)):
+                group.append(b)
+            else:
+                out[b] = drafter.propose(ids, cap, sampler)
+        if len(group) < 2:
+            for b in group:
+                drafter, ids, cap, sampler = requests[b]
+                out[b] = drafter.propose(ids, cap, sampler)
+            return out
+        rows = [requests[b] for b in group]
+        drafters = [d for d, _, _, _ in rows]
+        caps = [min(cap, d.max_draft) for d, _, cap, _ in rows]
+        pending = [d._feed_backlog(d._sync(ids), FEED_CHUNK)[1] for d, ids, _, _ in rows]
+        width = max(len(p) for p in pending)
+        model = drafters[0].model
+        logits = model(mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32),
+                       cache=batch_view([d._cache for d in drafters]))
+        for d, p in zip(drafters, pending):
+            _trim(d, width - len(p))
+        logits = mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
+        depth = max(caps)
+        tokens, probs = [], [[] for _ in rows]
+        for i in range(depth):
+            picks = mx.argmax(logits, axis=-1)
+            if not all(s.greedy for _, _, _, s in rows):
+                picks = [picks[r] if s.greedy or i >= caps[r] else None for r, (_, _, _, s) in enumerate(rows)]
+                for r, (_, _, _, sampler) in enumerate(rows):
+                    if picks[r] is None:
+                        q = sampler.probs(logits[r])
+                        probs[r].append(q)
+                        picks[r] = sample_from(q, sampler.next_key())
+                picks = mx.stack(picks)
+            picks = picks.astype(mx.uint32)
+            tokens.append(picks)
+            if i + 1 < depth:
+                logits = model(picks[:, None], cache=batch_view([d._cache for d in drafters]))[:, -1]
+        tokens = mx.stack(tokens, axis=1)
+        for b, r, (d, ids, _, _), cap in zip(group, range(len(rows)), rows, caps):
+            _trim(d, depth - cap)  # the chain rows this row would not have fed alone
+            draft = Draft(tokens[r, :cap], mx.stack(probs[r]) if probs[r] else None)
+            d._cached = list(ids)
+            d._uncommitted = draft.tokens[: cap - 1]
+            out[b] = draft
+        return out
+
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
         # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
         self._cached += self._uncommitted.tolist()
         self._uncommitted = mx.array([], dtype=mx.uint32)
+
+
+def _trim(drafter: DraftModelDrafter, n: int) -> None:
+    if n > 0:
+        for c in caches.leaves(drafter._cache):
+            caches.trim(c, n)
