@@ -2,10 +2,11 @@
 for every row) against one proposal per row (a benchmark, not a test: pytest does not collect it).
 
     PYTHONPATH=$PWD python tests/bench_batched_drafts.py [--model PATH] [--dtype D] [--rows 1,2,4]
-        [--trials 20] [--json out.json]
+        [--trials 20] [--draft-model PATH] [--json out.json]
 
-The starter (or ``--model``, e.g. its GGUF) with its DSpark drafter, on this machine's backend and
-dtype policy (or ``--dtype``). Each row is a
+The starter (or ``--model``, e.g. its GGUF) with its DSpark drafter, or with ``--draft-model`` that
+draft model (its caches fed up to each row's anchor first, so a proposal feeds the anchor and
+drafts), on this machine's backend and dtype policy (or ``--dtype``). Each row is a
 shipped prompt (chat, code, math in turn) prefilled with its drafter begun; then, per row count,
 the best of ``--trials`` of: every row proposing alone (greedy, the drafter's full block) and the
 rows proposing together, each timed to its evaluated drafts. Both must give the same drafts.
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--draft-model", default=None)
     ap.add_argument("--json")
     args = ap.parse_args()
     import mlx.core as mx
@@ -34,9 +36,9 @@ def main() -> None:
     from engine.prompts import load_prompts
     from engine.sampling import Sampler, SamplingParams
 
-    eng = load(args.model, dtype=args.dtype)
+    eng = load(args.model, dtype=args.dtype, draft_model=args.draft_model)
     eng.lookup_first = False  # the model drafter's own proposals (behind lookup, the rows lookup leaves)
-    base = eng.drafter("dspark")
+    base = eng.drafter("draft" if args.draft_model else "dspark")
     target = eng.target
     target.set_taps(base.tap_layers)
     greedy = Sampler(SamplingParams())
@@ -50,6 +52,7 @@ def main() -> None:
         d = base.fork()
         _, hidden = target.prefill(ids[:-1], target.new_cache(), tap=True)
         d.begin(ids[:-1], hidden)
+        d.catch_up(ids)  # a draft model's prompt (the others have none to feed)
         rows.append((d, ids))
 
     def best(fn) -> float:
