@@ -117,6 +117,25 @@ def sample_from(probs: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs), axis=-1, key=key)
 
 
+def pick_rows(logits: mx.array, samplers: Sequence[Sampler], kept: Sequence[bool], probs: list[list[mx.array]]
+              ) -> mx.array:
+    """One draft token per row of ``logits`` [R, V] (lazy): the argmax for a greedy row or one
+    whose draft here is not kept (a batch's filler), else a draw from the row's q with its
+    sampler's next key, q appended to ``probs[r]``: the draws a row's lone proposal makes."""
+    picks = mx.argmax(logits, axis=-1)
+    if all(s.greedy for s in samplers):
+        return picks
+    out = []
+    for r, (sampler, keep) in enumerate(zip(samplers, kept)):
+        if sampler.greedy or not keep:
+            out.append(picks[r])
+            continue
+        q = sampler.probs(logits[r])
+        probs[r].append(q)
+        out.append(sample_from(q, sampler.next_key()))
+    return mx.stack(out)
+
+
 def accept_greedy(drafts: mx.array, target_logits: mx.array) -> tuple[int, list[int]]:
     """Greedy verify. drafts [k], target_logits [k+1, V] (row i predicts the token after
     input i). Returns (n accepted, committed tokens = drafts[:n] + [argmax at n])."""

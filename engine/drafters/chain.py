@@ -29,7 +29,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from engine import caches
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
-from engine.sampling import Sampler, sample_from, spread_to_vocab
+from engine.sampling import Sampler, pick_rows, sample_from, spread_to_vocab
 
 if TYPE_CHECKING:
     from engine.target import Target
@@ -217,16 +217,7 @@ class ChainDrafter(Drafter):
         for k in range(width):
             if k:
                 state = head.run_rows(token[:, None], head.chain_features(state)[:, None], merged)[:, 0]
-            logits = head.logits(state)
-            picks = mx.argmax(logits, axis=-1)
-            if not all(s.greedy for s in samplers):
-                picks = [picks[r] if s.greedy or k >= caps[b] else None for r, (s, b) in enumerate(zip(samplers, live))]
-                for r, sampler in enumerate(samplers):
-                    if picks[r] is None:
-                        q = sampler.probs(logits[r])
-                        probs[r].append(q)
-                        picks[r] = sample_from(q, sampler.next_key())
-                picks = mx.stack(picks)
+            picks = pick_rows(head.logits(state), samplers, [k < caps[b] for b in live], probs)
             token = head._to_target(picks)
             tokens.append(token)
         tokens = mx.stack(tokens, axis=1)

@@ -36,7 +36,7 @@ from engine import caches
 from engine.batch_cache import batch_view
 from engine.drafters.base import Draft, Drafter, DrafterState
 from engine.errors import TandemError
-from engine.sampling import Sampler, sample_from
+from engine.sampling import Sampler, pick_rows, sample_from
 from engine.shapes import ShapePolicy, StableKVCache, pieces
 
 FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
@@ -242,17 +242,9 @@ class DraftModelDrafter(Drafter):
         logits = mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
         depth = max(caps)
         tokens, probs = [], [[] for _ in rows]
+        samplers = [s for _, _, _, s in rows]
         for i in range(depth):
-            picks = mx.argmax(logits, axis=-1)
-            if not all(s.greedy for _, _, _, s in rows):
-                picks = [picks[r] if s.greedy or i >= caps[r] else None for r, (_, _, _, s) in enumerate(rows)]
-                for r, (_, _, _, sampler) in enumerate(rows):
-                    if picks[r] is None:
-                        q = sampler.probs(logits[r])
-                        probs[r].append(q)
-                        picks[r] = sample_from(q, sampler.next_key())
-                picks = mx.stack(picks)
-            picks = picks.astype(mx.uint32)
+            picks = pick_rows(logits, samplers, [i < cap for cap in caps], probs).astype(mx.uint32)
             tokens.append(picks)
             if i + 1 < depth:
                 logits = model(picks[:, None], cache=batch_view([d._cache for d in drafters]))[:, -1]

@@ -28,7 +28,7 @@ import mlx.core as mx
 from engine.drafters.base import Draft
 from engine.drafters.block import BlockConfig, BlockDrafter, DSparkModel
 from engine.errors import TandemError
-from engine.sampling import Sampler, sample_from, spread_to_vocab
+from engine.sampling import Sampler, pick_rows, sample_from, spread_to_vocab
 
 if TYPE_CHECKING:
     from engine.target import Target
@@ -86,7 +86,6 @@ def chain_rows(model: DSparkModel, h: mx.array, anchors: Sequence[int], samplers
     state = head.initial_state(h.dtype) if head is not None else None
     if state is not None:
         state = mx.broadcast_to(state, (rows, state.shape[-1]))
-    greedy = all(s.greedy for s in samplers)
     tokens, probs, prevs = [], [[] for _ in range(rows)], []
     for k in range(slots):
         logits = base[:, k]
@@ -94,19 +93,7 @@ def chain_rows(model: DSparkModel, h: mx.array, anchors: Sequence[int], samplers
             bias, state = head.step(prev, h[:, k], state)
             logits = logits + bias
         prevs.append(prev)
-        if greedy:
-            pick = mx.argmax(logits, axis=-1)
-        else:
-            picks = []
-            for b, sampler in enumerate(samplers):
-                if sampler.greedy:
-                    picks.append(mx.argmax(logits[b]))
-                else:
-                    q = sampler.probs(logits[b])
-                    probs[b].append(q)
-                    picks.append(sample_from(q, sampler.next_key()))
-            pick = mx.stack(picks)
-        prev = to_token(pick).astype(mx.uint32)
+        prev = to_token(pick_rows(logits, samplers, [True] * rows, probs)).astype(mx.uint32)
         tokens.append(prev)
     qs = [spread_to_vocab(mx.stack(p), vocab, model.cfg.vocab_size) if p else None for p in probs]
     return mx.stack(tokens, axis=1), qs, mx.stack(prevs, axis=1)
