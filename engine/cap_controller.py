@@ -152,7 +152,9 @@ class CapController:
       plain steps are priced at that length (``Calibration.at_context``: attention's cost grows
       with the K/V it reads), and live round times are fit net of the calibrated context cost, so
       rounds timed on a short request still inform a long one. Where even drafts that all hold
-      lose to a plain step at this length, it parks at once (probing as above).
+      lose to a plain step at this length, or at this batch width (``batch_rows``: a wide batch
+      on a compute-bound machine), it parks at once and takes no probe until a length or width
+      where a draft might pay.
     * ``warm_plain``: plain steps that open each request (unseeded), timing plain steps at this
       context before the first round; skipped when the last request's latest rounds beat plain
       steps timed lately by ``CLEAR_WIN``, and then taken once its own rounds stop winning that
@@ -196,6 +198,7 @@ class CapController:
             self.state.since_probe = max(self.state.since_probe, self.state.probe_gap)
         self._probing = False
         self._catch_up_ms = 0.0  # the drafter's catch-up before the round observed next
+        self._width_parked = 0  # parked by ``batch_rows`` at a width where no draft pays: the cap it had
         self._cheap = False  # the loop saw a cheap draft ready: probe now
         self._cheap_probe = False  # the probe in flight was one
         self._since_cheap = CHEAP_GAP  # plain steps since the last cheap probe
@@ -309,7 +312,13 @@ class CapController:
         if rows != self.rows and not self.seeded:
             self.rows, self.widest = rows, max(self.widest, rows)
             self._price()
-            if self.state.rounds >= self.park_after:  # what it learned of the content, at this width's costs
+            if not self.state.parked and self._hopeless(calibrated=True):  # no draft can pay at this width
+                self._park()
+                self._width_parked = max(1, int(self.state.cap))
+            elif self._width_parked and not self._hopeless(calibrated=True):  # parked for the width, not the content
+                self._unpark(self._width_parked)
+                self._width_parked = 0
+            elif self.state.rounds >= self.park_after:  # what it learned of the content, at this width's costs
                 self._repick()
 
     def context(self, tokens: int) -> None:
@@ -331,9 +340,11 @@ class CapController:
         self.flat_cal = self.one_row_cal.at_batch(self.rows)
         self.cal = self.one_row_cal.at_context(self.priced_context).at_batch(self.rows)
 
-    def _hopeless(self) -> bool:
-        """Drafts that all hold, at every cap, still lose to a plain step (the best case)."""
-        best = rates(self.corrected(), 1.0, None, self.max_cap)
+    def _hopeless(self, calibrated: bool = False) -> bool:
+        """Drafts that all hold, at every cap, still lose to a plain step (the best case), by the
+        curves as corrected by live timings or, ``calibrated``, as measured (what a noisy spell of
+        timings cannot talk it into: a probe is the only way out of a wrong belief)."""
+        best = rates(self.cal if calibrated else self.corrected(), 1.0, None, self.max_cap)
         return max(best[1:], default=0.0) < best[0]
 
     def detach(self) -> None:
@@ -393,7 +404,9 @@ class CapController:
         st = self.state
         if self._warm > 0:
             cap = 0
-        elif st.parked and (self._cheap or st.since_probe >= self._gap()):
+        elif st.parked and (self._cheap or st.since_probe >= self._gap()) and not self._hopeless(calibrated=True):
+            # (where even drafts that all hold lose, as in a wide batch on a compute-bound machine,
+            # a probe could only lose: the next one waits for a width or context where one might pay)
             self._probing, self._cheap_probe, self._cheap = True, self._cheap, False
             cap = max(1, min(PROBE_CAP, argmax_cap(self.rates(), allow_park=False)))
         else:

@@ -134,6 +134,30 @@ def test_a_speculating_row_parks_the_round_it_joins_a_batch_where_plain_steps_wi
     assert not seeded.state.parked  # a seeded request's caps do not follow the batch
 
 
+
+def test_where_no_draft_can_pay_a_row_parks_at_once_and_never_probes():
+    """In a batch whose forward grows so fast with its width that even drafts that all hold lose
+    to plain steps (a wide batch on a compute-bound machine: a 1.5B target at four rows on two
+    CPU cores), a probe can only lose: a row parks the moment it joins such a width and probes
+    nothing there; alone again, it speculates at the cap it had (its parking was the width's, not
+    its content's), while a row that was parked before keeps probing."""
+    cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=20.0)
+    policy = CapController(cal, 5)  # verify widths up to 6: the batch curves' own
+    assert not policy._hopeless(calibrated=True) and not policy.state.parked
+    policy.batch_rows(8)
+    assert policy._hopeless(calibrated=True) and policy.state.parked
+    policy.state.since_probe = 10**6
+    assert [policy.cap() for _ in range(50)] == [0] * 50
+    policy.batch_rows(1)
+    assert not policy._hopeless(calibrated=True) and not policy.state.parked and policy.cap() == policy.state.cap > 0
+    parked = CapController(cal, 5)
+    parked.state.parked = True
+    parked.batch_rows(8)
+    parked.state.since_probe = 10**6
+    assert parked.cap() == 0
+    parked.batch_rows(1)
+    assert parked.state.parked and parked.cap() > 0  # the probe it owes
+
 def test_a_parked_row_probes_batch_width_times_rarer():
     """A probe widens a forward every row of the batch pays for: a parked controller in a batch of
     4 waits four times the plain steps it waits alone; a seeded one keeps its own schedule."""
