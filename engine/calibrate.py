@@ -51,8 +51,8 @@ from engine.errors import TandemError
 from engine.paths import cache_root, read_json, write_json_atomic
 from engine.protocols import EngineLike
 
-SCHEMA = 6  # 4: verify curves of batched forwards (continuous batching); 5: costs at a long context;
-# 6: batched forwards over the batch's slot buffers (engine/slot_kv.py)
+SCHEMA = 7  # 4: verify curves of batched forwards (continuous batching); 5: costs at a long context;
+# 6: batched forwards over the batch's slot buffers (engine/slot_kv.py); 7: batched drafts (propose_rows)
 PASSES = 4  # timed passes over the width grid (plus one warm-up pass)
 OVERHEAD_ROUNDS = 12  # rounds of each kind (speculative, plain) timed for the overhead
 MAX_TOKENS_PER_SAMPLE = 16  # tokens decoded per round wanted, at most (lookup's rounds need a match)
@@ -402,6 +402,37 @@ def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], p
     return _median_passes(len(caps), passes, one, tick)
 
 
+def measure_batch_drafts(drafter: Drafter, ids: Sequence[int], hidden: mx.array | None, cap: int, passes: int,
+                         tick: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """What B rows' drafts at ``cap`` cost proposed together (``propose_rows``), as a multiple of
+    one row's, for each B in BATCH_ROWS: "B" -> ratio. Each row is a fork of ``drafter`` begun
+    on ``ids`` (its prompt fed before timing); one row and each B are timed in turns, so a change
+    of the machine's pace moves them alike. Empty for a drafter that proposes row by row."""
+    from engine.sampling import Sampler, SamplingParams
+
+    together = getattr(type(drafter), "propose_rows", None)
+    if together is None:
+        return {}
+    anchor = list(ids) + [ids[-64]]
+    rows = []
+    for _ in range(max(BATCH_ROWS)):
+        fork = drafter.fork()
+        fork.begin(ids, hidden)
+        fork.catch_up(anchor)
+        rows.append(fork)
+    sizes = (1,) + BATCH_ROWS
+    sampler = Sampler(SamplingParams(seed=0))
+
+    def one(i: int) -> float:
+        t0 = time.perf_counter()
+        drafts = together([(fork, anchor, cap, sampler) for fork in rows[: sizes[i]]])
+        mx.eval([a for d in drafts if d is not None for a in (d.tokens, *([d.probs] if d.probs is not None else []))])
+        return time.perf_counter() - t0
+
+    ms = _median_passes(len(sizes), passes, one, tick)
+    return {str(b): t / max(ms[0], 1e-9) for b, t in zip(BATCH_ROWS, ms[1:])}
+
+
 def measure_rounds(target: Any, drafter: Drafter, ids: Sequence[int], cap: int, rounds: int = OVERHEAD_ROUNDS,
                    tick: Callable[[], None] = lambda: None, passes: int = 2,
                    plain_ids: Sequence[int] | None = None) -> tuple[float, float]:
@@ -560,7 +591,8 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
             texts = calibration_texts()
         except TandemError:
             tune = False  # no prompts to trace: keep the drafter's own cut
-    n_batch = len(BATCH_ROWS) * sum(w <= BATCH_MAX_WIDTH for w in widths) if target.batch_blocker() is None else 0
+    n_batch = (len(BATCH_ROWS) * sum(w <= BATCH_MAX_WIDTH for w in widths) + (1 + len(BATCH_ROWS)) * bool(caps)
+               if target.batch_blocker() is None else 0)
     # the drafter again at the long context where it reads the target's hidden states (repeated
     # like the cache); a draft model would need a long prefill of its own: its curve stays as measured
     long_widths, long_caps = long_points(widths, caps if drafter.tap_layers else []) if long_context > context \
@@ -606,7 +638,10 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
             draft_ms = steady_curve(lambda: measure_drafter(costly, ids + [ids[-64]], caps, passes, tick("drafter curve")),
                                     on_remeasure=more(len(caps)))
         batch_widths = [w for w in widths if w <= BATCH_MAX_WIDTH]
-        batch_ms = {}
+        batch_ms, batch_drafting = {}, {}
+        if caps and target.batch_blocker() is None:
+            batch_drafting = measure_batch_drafts(costly, ids, hidden, min(caps[-1], BATCH_MAX_WIDTH - 1), passes,
+                                                  tick("drafts of several sequences"))
         if target.batch_blocker() is None:
             for rows in BATCH_ROWS:
                 batch_ms[str(rows)] = steady_curve(
@@ -632,7 +667,8 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
         del cache, hidden
         cal = Calibration(cache_key(fields), fields, widths, verify_ms, caps, draft_ms,
                           pad_widths=list(shapes.widths) if shapes is not None else [],
-                          batch_verify_ms=batch_ms, batch_widths=batch_widths if batch_ms else [], context=context,
+                          batch_verify_ms=batch_ms, batch_widths=batch_widths if batch_ms else [],
+                          batch_draft_scale=batch_drafting, context=context,
                           long_context=long_context if long_widths else 0, long_widths=long_widths,
                           long_verify_ms=long_verify_ms, long_caps=long_caps if long_draft_ms else [],
                           long_draft_ms=long_draft_ms)

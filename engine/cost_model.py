@@ -52,6 +52,9 @@ class Calibration:
     # ``batch_widths`` (the narrow end of ``widths``, where a batch's caps fall)
     batch_verify_ms: dict = field(default_factory=dict)
     batch_widths: list[int] = field(default_factory=list)
+    # what B rows' drafts cost proposed together (``propose_rows``), as a multiple of one row's:
+    # "B" -> ratio (empty: the drafter proposes row by row, B times one row's cost)
+    batch_draft_scale: dict = field(default_factory=dict)
     context: int = CONTEXT
     # the same forwards after ``long_context`` tokens (0: not measured): verify at ``long_widths``,
     # the drafter at ``long_caps``; ``at_context`` prices a longer context from the two
@@ -97,7 +100,8 @@ class Calibration:
         """These curves as one of ``rows`` sequences decoding together sees them: a round or a
         plain step lasts the batch's forward (verify at ``rows`` rows, interpolated between the
         measured batch sizes, wider widths scaled like the one-row curve) plus every row's
-        drafting and bookkeeping. Itself when ``rows`` is 1 or no batch was measured."""
+        bookkeeping and the batch's drafting (the rows' drafts proposed together, as measured,
+        or one row's after another). Itself when ``rows`` is 1 or no batch was measured."""
         sizes = sorted(int(b) for b in self.batch_verify_ms)
         if rows <= 1 or not sizes or not self.batch_widths:
             return self
@@ -114,7 +118,8 @@ class Calibration:
         scale = _interp(self.batch_widths, at, edge) / max(self.verify(edge), 1e-9)
         verify = [_interp(self.batch_widths, at, w) if w <= edge else self.verify(w) * scale for w in self.widths]
         step = _interp(self.batch_widths, at, 1) / max(self.verify(1), 1e-9)
-        return replace(self, verify_ms=verify, draft_ms=[ms * rows for ms in self.draft_ms],
+        drafting = _batch_drafting(self.batch_draft_scale, rows)
+        return replace(self, verify_ms=verify, draft_ms=[ms * drafting for ms in self.draft_ms],
                        overhead_ms=self.overhead_ms * rows, plain_ms=self.plain_ms * step,
                        step_overhead_ms=self.step_overhead_ms * rows, batch_verify_ms={}, batch_widths=[])
 
@@ -177,6 +182,17 @@ def _isotonic(ys: Sequence[float]) -> list[float]:
             (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
             blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
     return [m for m, n in blocks for _ in range(int(n))]
+
+
+def _batch_drafting(scale: dict, rows: int) -> float:
+    """What ``rows`` rows' drafts cost, in one row's: the measured ratios interpolated (past the
+    largest batch measured, growing with the rows from there); ``rows`` where none were measured."""
+    if not scale:
+        return float(rows)
+    sizes = sorted(int(b) for b in scale)
+    top = sizes[-1]
+    ratio = _interp([1] + sizes, [1.0] + [float(scale[str(b)]) for b in sizes], min(rows, top))
+    return ratio * max(1.0, rows / top)
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:

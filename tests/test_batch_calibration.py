@@ -35,6 +35,17 @@ def test_at_batch_interpolates_and_scales_the_curves():
     assert Calibration.from_dict(cal.to_dict()).at_batch(4).verify(3) == four.verify(3)  # survives the cache
 
 
+
+def test_a_batch_prices_its_drafts_as_measured_together_or_else_one_row_after_another():
+    cal = Calibration.synthetic([10.0 + 0.5 * (w - 1) for w in range(1, 10)], max_cap=8, draft=lambda c: 2.0 * c)
+    cal.batch_widths, cal.batch_verify_ms = cal.widths[:6], {"4": [20.0 + w for w in cal.widths[:6]]}
+    assert cal.at_batch(4).draft(3) == 4 * cal.draft(3)  # row by row: four drafts' time
+    cal.batch_draft_scale = {"2": 1.1, "4": 1.3, "8": 2.0}  # proposed together, as measured
+    assert cal.at_batch(4).draft(3) == pytest.approx(1.3 * cal.draft(3))
+    assert cal.at_batch(3).draft(3) == pytest.approx(1.2 * cal.draft(3))  # between the sizes measured
+    assert cal.at_batch(16).draft(3) == pytest.approx(4.0 * cal.draft(3))  # past them: growing with the rows
+    assert Calibration.from_dict(cal.to_dict()).at_batch(4).draft(3) == cal.at_batch(4).draft(3)
+
 def test_auto_parks_in_a_batch_where_batched_plain_steps_win():
     # Alone a verify of 5 costs 1.2 plain steps (memory-bound): cap > 0 at p = 0.7. In a batch of 8
     # every extra row-width costs 2 ms of a 10 ms step: plain steps win.

@@ -295,6 +295,10 @@ def test_drafters_with_a_model_get_a_drafter_curve(kind, cache_dir, tmp_path):
     # at the long context too where it reads the target's hidden states (a draft model would need a prefill)
     assert cal.long_caps == ([1, drafter.max_draft // 2 + 1, drafter.max_draft] if kind == "dspark" else [])
     assert len(cal.long_draft_ms) == len(cal.long_caps) and all(ms > 0 for ms in cal.long_draft_ms)
+    # B rows' drafts proposed together, as a multiple of one row's; a batch's rounds priced with it
+    assert sorted(int(b) for b in cal.batch_draft_scale) == list(C.BATCH_ROWS)
+    assert all(math.isfinite(r) and r > 0 for r in cal.batch_draft_scale.values())
+    assert cal.at_batch(4).draft(1) == pytest.approx(cal.draft(1) * cal.batch_draft_scale["4"])
     # the curves drive a lossless auto run through the one verify loop
     prompt = [3, 9, 4, 7, 12, 5, 3, 9, 4, 7]
     base = eng.generate(prompt, mode="baseline", max_new_tokens=20)
