@@ -1,9 +1,10 @@
 """A batch's rows whose drafters share one model propose together (``propose_rows``): EAGLE-3 and
 MTP heads run each chain step once over every row (their attention over a left-padded copy of each
-row's committed rows), DFlash and DFlash 2 one block forward and one head forward. Each row's
-drafts and q are those it gets proposing alone, with rows of different context lengths and caps;
-the rows' own caches are untouched. DSpark rows share the block forward, the head and the
-Markov chain, and keep their confidence cuts."""
+row's committed rows, their own caches untouched), DFlash and DFlash 2 one block forward and one
+head forward, DSpark those and its Markov chain (keeping each row's confidence cut), a draft model
+each of its forwards through every row's own cache, and lookup-first rows take their own lookup
+drafts. Each row's drafts and q are those it gets proposing alone, with rows of different context
+lengths and caps; sampled rows proposing together sample the target exactly."""
 
 from __future__ import annotations
 
