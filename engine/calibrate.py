@@ -386,6 +386,11 @@ def repeat_hidden(hidden: mx.array | None, rows: int) -> mx.array | None:
     return mx.concatenate([hidden] * copies, axis=0)[:rows]
 
 
+def _evaluate(drafts: Sequence[Any]) -> None:
+    """Wait for proposals (``Draft`` or None): their tokens and q."""
+    mx.eval([a for d in drafts if d is not None for a in (d.tokens, d.probs) if a is not None])
+
+
 def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], passes: int,
                     tick: Callable[[], None] = lambda: None) -> list[float]:
     from engine.sampling import Sampler, SamplingParams
@@ -394,9 +399,7 @@ def measure_drafter(drafter: Drafter, ids: Sequence[int], caps: Sequence[int], p
 
     def one(i: int) -> float:
         t0 = time.perf_counter()
-        draft = drafter.propose(ids, caps[i], sampler)
-        if draft is not None:
-            mx.eval(draft.tokens, *([draft.probs] if draft.probs is not None else []))
+        _evaluate([drafter.propose(ids, caps[i], sampler)])
         return time.perf_counter() - t0
 
     return _median_passes(len(caps), passes, one, tick)
@@ -425,8 +428,7 @@ def measure_batch_drafts(drafter: Drafter, ids: Sequence[int], hidden: mx.array 
 
     def one(i: int) -> float:
         t0 = time.perf_counter()
-        drafts = together([(fork, anchor, cap, sampler) for fork in rows[: sizes[i]]])
-        mx.eval([a for d in drafts if d is not None for a in (d.tokens, *([d.probs] if d.probs is not None else []))])
+        _evaluate(together([(fork, anchor, cap, sampler) for fork in rows[: sizes[i]]]))
         return time.perf_counter() - t0
 
     ms = _median_passes(len(sizes), passes, one, tick)
@@ -639,10 +641,10 @@ def measure(engine: EngineLike, drafter: Drafter, fields: dict, *, progress: Pro
                                     on_remeasure=more(len(caps)))
         batch_widths = [w for w in widths if w <= BATCH_MAX_WIDTH]
         batch_ms, batch_drafting = {}, {}
-        if caps and target.batch_blocker() is None:
-            batch_drafting = measure_batch_drafts(costly, ids, hidden, min(caps[-1], BATCH_MAX_WIDTH - 1), passes,
-                                                  tick("drafts of several sequences"))
         if target.batch_blocker() is None:
+            if caps:
+                batch_drafting = measure_batch_drafts(costly, ids, hidden, min(caps[-1], BATCH_MAX_WIDTH - 1), passes,
+                                                      tick("drafts of several sequences"))
             for rows in BATCH_ROWS:
                 batch_ms[str(rows)] = steady_curve(
                     lambda rows=rows: measure_batch_verify(target, cache, rows, probe, batch_widths, passes,

@@ -325,8 +325,8 @@ class Target:
         if not bits:
             return
         try:
-            logits, _ = self.forward(self._probe_ids(), self.new_cache())
-            self.forwards -= 1
+            with self.uncounted():
+                logits, _ = self.forward(self._probe_ids(), self.new_cache())
             ok = bool(mx.all(mx.isfinite(logits)).item())
         except Exception as e:  # e.g. a head dim that is not a multiple of the group size
             ok, why = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

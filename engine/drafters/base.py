@@ -149,3 +149,13 @@ class Drafter:
             elif isinstance(value, (list, dict, set)) and not isinstance(value, nn.Module):  # a Module is a dict
                 setattr(twin, name, copy.copy(value))
         return twin
+
+
+def propose_each(requests: Sequence[tuple[Drafter, Sequence[int], int, Sampler]], rows: Sequence[int],
+                 out: list[Draft | None]) -> list[Draft | None]:
+    """``out`` with each of ``rows`` (indices into ``requests``) proposed alone, by its own
+    ``propose``: a batch's rows that cannot, or need not, share a forward."""
+    for b in rows:
+        drafter, ids, cap, sampler = requests[b]
+        out[b] = drafter.propose(ids, cap, sampler)
+    return out

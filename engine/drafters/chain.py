@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from engine import caches
-from engine.drafters.base import Draft, Drafter, DrafterState
+from engine.drafters.base import Draft, Drafter, DrafterState, propose_each
 from engine.errors import TandemError
 from engine.sampling import Sampler, pick_rows, sample_from, spread_to_vocab
 
@@ -143,8 +143,8 @@ class ChainDrafter(Drafter):
         ``ids``, teacher-forced in one batched pass (a load-time probe; the live state is kept)."""
         target = self.target
         target.set_taps(self.tap_layers)
-        logits, hidden = target.forward(mx.array([list(ids)], dtype=mx.uint32), target.new_cache(), tap=True)
-        target.forwards -= 1  # probes are not generation work
+        with target.uncounted():  # probes are not generation work
+            logits, hidden = target.forward(mx.array([list(ids)], dtype=mx.uint32), target.new_cache(), tap=True)
         live, self._caches = self._caches, self.new_cache()
         try:
             out = self.run(mx.array(list(ids[1:]), dtype=mx.uint32), self.context_features(hidden[:-1]))
@@ -203,10 +203,7 @@ class ChainDrafter(Drafter):
         live = [b for b, cap in enumerate(caps) if cap > 0]
         out: list[Draft | None] = [None] * len(requests)
         if len(live) < 2:
-            for b in live:
-                drafter, ids, cap, sampler = requests[b]
-                out[b] = drafter.propose(ids, cap, sampler)
-            return out
+            return propose_each(requests, live, out)
         drafters = [requests[b][0] for b in live]
         samplers = [requests[b][3] for b in live]
         width = max(caps[b] for b in live)

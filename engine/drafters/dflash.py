@@ -11,7 +11,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from engine.drafters.base import Draft
+from engine.drafters.base import Draft, propose_each
 from engine.drafters.block import BlockDrafter
 from engine.sampling import Sampler, sample_from
 
@@ -55,12 +55,12 @@ class DFlashDrafter(BlockDrafter):
         row's draft is one ``propose`` could give it alone (the sums may differ in the last bits)."""
         caps = [min(int(cap), d.max_draft) for d, _, cap, _ in requests]
         live = [b for b, cap in enumerate(caps) if cap > 0]
+        out: list[Draft | None] = [None] * len(requests)
         if len(live) < 2:
-            return [d.propose(ids, cap, s) if cap > 0 else None for (d, ids, _, s), cap in zip(requests, caps)]
+            return propose_each(requests, live, out)
         width = max(caps[b] for b in live)
         h = BlockDrafter.block_states_rows([requests[b][:2] for b in live])[:, 1 : 1 + width]
         logits = requests[live[0]][0].logits(h)
-        out: list[Draft | None] = [None] * len(requests)
         for r, b in enumerate(live):
             drafter, ids, _, sampler = requests[b]
             out[b] = drafter.draft(h[r, : caps[b]], logits[r, : caps[b]], int(ids[-1]), sampler)

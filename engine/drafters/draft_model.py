@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from engine import caches
 from engine.batch_cache import batch_view
-from engine.drafters.base import Draft, Drafter, DrafterState
+from engine.drafters.base import Draft, Drafter, DrafterState, propose_each
 from engine.errors import TandemError
 from engine.sampling import Sampler, pick_rows, sample_from
 from engine.shapes import ShapePolicy, StableKVCache, pieces
@@ -215,20 +215,12 @@ class DraftModelDrafter(Drafter):
         Each row ends as after its own ``propose`` (its cache's values may differ in the last
         bits), and samples with its own sampler, a key per draft, as alone. Rows whose caches are
         not plain full attention, or that run under a shape policy, propose alone."""
-        out: list[Draft | None] = [None] * len(requests)
-        group = []
-        for b, (drafter, ids, cap, sampler) in enumerate(requests):
-            if min(cap, drafter.max_draft) <= 0:
-                continue
-            if drafter.shapes is None and drafter._cache and all(type(c) is KVCache for c in caches.leaves(drafter._cache)):
-                group.append(b)
-            else:
-                out[b] = drafter.propose(ids, cap, sampler)
+        drafting = [b for b, (drafter, _, cap, _) in enumerate(requests) if min(cap, drafter.max_draft) > 0]
+        group = [b for b in drafting if requests[b][0].shapes is None and requests[b][0]._cache
+                 and all(type(c) is KVCache for c in caches.leaves(requests[b][0]._cache))]
+        out = propose_each(requests, [b for b in drafting if b not in group], [None] * len(requests))
         if len(group) < 2:
-            for b in group:
-                drafter, ids, cap, sampler = requests[b]
-                out[b] = drafter.propose(ids, cap, sampler)
-            return out
+            return propose_each(requests, group, out)
         rows = [requests[b] for b in group]
         drafters = [d for d, _, _, _ in rows]
         caps = [min(cap, d.max_draft) for d, _, cap, _ in rows]
@@ -237,8 +229,8 @@ class DraftModelDrafter(Drafter):
         model = drafters[0].model
         logits = model(mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32),
                        cache=batch_view([d._cache for d in drafters]))
-        for d, p in zip(drafters, pending):
-            _trim(d, width - len(p))
+        for d, p in zip(drafters, pending):  # the padding's rows go
+            caches.trim_to(d._cache, caches.length(d._cache) - (width - len(p)))
         logits = mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
         depth = max(caps)
         tokens, probs = [], [[] for _ in rows]
@@ -250,7 +242,7 @@ class DraftModelDrafter(Drafter):
                 logits = model(picks[:, None], cache=batch_view([d._cache for d in drafters]))[:, -1]
         tokens = mx.stack(tokens, axis=1)
         for b, r, (d, ids, _, _), cap in zip(group, range(len(rows)), rows, caps):
-            _trim(d, depth - cap)  # the chain rows this row would not have fed alone
+            caches.trim_to(d._cache, caches.length(d._cache) - (depth - cap))  # chain rows it would not feed alone
             draft = Draft(tokens[r, :cap], mx.stack(probs[r]) if probs[r] else None)
             d._cached = list(ids)
             d._uncommitted = draft.tokens[: cap - 1]
@@ -261,9 +253,3 @@ class DraftModelDrafter(Drafter):
         # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
         self._cached += self._uncommitted.tolist()
         self._uncommitted = mx.array([], dtype=mx.uint32)
-
-
-def _trim(drafter: DraftModelDrafter, n: int) -> None:
-    if n > 0:
-        for c in caches.leaves(drafter._cache):
-            caches.trim(c, n)
