@@ -30,10 +30,11 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache
 
 from engine.caches import CacheError, Verify, leaves
-from engine.shapes import StableKVCache
+from engine.shapes import StableKVCache, capacity
 from engine.slot_kv import SlotKV, row_offsets
 
-# StableKVCache (a shape policy's full attention) batches through the slot buffers only (engine/slot_kv.py)
+# StableKVCache (a shape policy's full attention): a target's rows batch through the slot buffers
+# (engine/slot_kv.py); a draft model's, which live one round, through RowBatch
 BATCHABLE = (KVCache, StableKVCache, RotatingKVCache, ArraysCache, SlotKV)
 
 
@@ -51,6 +52,11 @@ def fetched_length(c: Any, n: int) -> int:
     ``make_mask(n)`` is shaped for)."""
     if type(c) in (KVCache, SlotKV):
         return int(c.offset) + n
+    if type(c) is StableKVCache:  # one row: its rows; several: its whole buffer, grown as update_and_fetch grows it
+        end = int(c.offset) + n
+        if n == 1:
+            return end
+        return c.keys.shape[2] if c.keys is not None and end <= c.keys.shape[2] else capacity(end, c.step)
     if type(c) is RotatingKVCache:
         if n > 1:  # _update_concat: the window in temporal order, at most max_size - 1 old rows
             return (min(int(c.offset), c.max_size - 1) if c.keys is not None else 0) + n
@@ -69,7 +75,7 @@ def _row_mask(c: Any, n: int, length: int, window_size: int | None) -> mx.array:
     if isinstance(m, str):  # "causal"
         return create_causal_mask(n, length - n)
     if m.dtype != mx.bool_:
-        m = m > -1e30  # an additive mask: 0 where seen
+        m = m == 0  # an additive mask: 0 where seen (its lowest value is only -65504 in float16)
     if m.shape[-1] != length:
         raise CacheError(f"{type(c).__name__} mask covers {m.shape[-1]} keys, the fetch {length}")
     return mx.broadcast_to(m.reshape(-1, length), (n, length))

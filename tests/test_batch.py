@@ -23,6 +23,7 @@ from engine.batching import Batcher
 from engine.target import PREFILL_CHUNK
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.sampling import Sampler, SamplingParams, target_probs
+from engine.shapes import ShapePolicy
 from engine.serve.server import make_server
 from engine.speculative import FixedCap
 from tests import drafter_ckpt as ck
@@ -155,10 +156,16 @@ def _engine_for(mode: str, tmp_path):
 
     from tests.test_block_drafters import bigram_engine
 
-    eng = bigram_engine() if mode == "mtp" else make_tiny_engine("qwen3" if mode == "eagle3" else "llama", seed=4)
+    arch = {"eagle3": "qwen3", "draft-windowed": "gemma3"}.get(mode, "llama")
+    eng = bigram_engine() if mode == "mtp" else make_tiny_engine(arch, seed=4)
     eng.suffix_index = None  # see make_engine
-    if mode == "draft":
-        eng.set_drafter("draft", DraftModelDrafter(make_tiny_model("llama", seed=4), max_draft=4))
+    if mode == "draft-stable":  # CUDA's shape policy on this CPU: buffers of 16 rows grow mid-run
+        eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
+    if mode.startswith("draft"):
+        draft_arch = "llama-sliding" if mode == "draft-windowed" else "llama"
+        eng.set_drafter("draft", DraftModelDrafter(make_tiny_model(draft_arch, seed=4), max_draft=4,
+                                                   shapes=eng.target.shapes))
+        return eng, "draft"
     elif mode in ("dspark", "lookup-first"):
         eng.drafter_path = str(write_dspark(tmp_path / "dspark", eng))
         eng.lookup_first = mode == "lookup-first"
@@ -171,15 +178,21 @@ def _engine_for(mode: str, tmp_path):
     return eng, "dspark" if mode == "lookup-first" else mode
 
 
-@pytest.mark.parametrize("mode", ["draft", "dspark", "dflash", "eagle3", "mtp", "lookup-first"])
+@pytest.mark.parametrize("mode", ["draft", "draft-windowed", "draft-stable", "dspark", "dflash", "eagle3", "mtp",
+                                  "lookup-first"])
 def test_every_drafter_batches(mode, tmp_path, monkeypatch):
     """Each mode's rows (own drafter state each, different caps, one joining mid-flight) equal
-    their requests alone; rows whose drafters have a head propose together."""
+    their requests alone; rows whose drafters have a head propose together (a draft model also
+    with sliding windows on both sides, and under a shape policy)."""
     eng, run_mode = _engine_for(mode, tmp_path)
     together: list[int] = []
     drafter = eng.drafter(run_mode)
     head_type = type(getattr(drafter, "model_drafter", drafter))  # behind lookup-first: the rows lookup left
-    if hasattr(head_type, "propose_rows"):
+    if run_mode == "draft":  # rows in each of the draft model's forwards (forks share the model)
+        model_type, call = type(drafter.model), type(drafter.model).__call__
+        monkeypatch.setattr(model_type, "__call__", lambda self, x, *a, **k: (
+            self is drafter.model and together.append(x.shape[0])) or call(self, x, *a, **k))
+    elif hasattr(head_type, "propose_rows"):
         propose_rows = head_type.propose_rows
         monkeypatch.setattr(head_type, "propose_rows",
                             staticmethod(lambda requests: together.append(len(requests)) or propose_rows(requests)))

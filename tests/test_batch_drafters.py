@@ -12,9 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import caches
 from engine.batch import BatchRow
 from engine.drafters import formats
 from engine.sampling import Sampler, SamplingParams
+from engine.shapes import ShapePolicy
 from engine.speculative import FixedCap
 from tests import drafter_ckpt as ck
 from tests.test_block_drafters import bigram_engine, drafter_for, write_dflash, write_dspark
@@ -120,16 +122,36 @@ def test_rows_propose_together_what_each_proposes_alone(kind, tmp_path, monkeypa
 
 
 
-def test_draft_model_rows_propose_together_what_each_proposes_alone(monkeypatch):
-    """A draft model's rows run each forward once over the batch, through their own caches: the
-    first over every row's pending tokens (ragged: padded, the padding trimmed), then one a draft.
-    Each row's drafts, q, cache rows and bookkeeping are those its own ``propose`` leaves, over
-    two rounds (the second after commits that leave 1 or 2 tokens pending)."""
+def draft_cache_rows(cache) -> list[np.ndarray]:
+    """A draft cache's rows the next query sees, per layer: a full-attention cache's up to its
+    offset (a buffer's rows past it are scratch), a sliding window's last ``max_size - 1`` in
+    temporal order (a multi-row update and a one-row one lay the same window out differently)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    out = []
+    for c in caches.leaves(cache):
+        if type(c) is RotatingKVCache:
+            seen = min(c.offset, c.max_size - 1)
+            out += [np.array(c._temporal_order(a)[..., -seen:, :]) for a in (c.keys, c.values)] + [np.array(c.offset)]
+        else:
+            out += [np.array(a[..., : c.offset, :]) for a in (c.keys, c.values)]
+    return out
+
+
+@pytest.mark.parametrize("arch,policy", [("llama", None), ("llama", ShapePolicy()), ("llama-sliding", None),
+                                         ("gemma3", ShapePolicy())])
+def test_draft_model_rows_propose_together_what_each_proposes_alone(arch, policy, monkeypatch):
+    """A draft model's rows run each forward once over the rows that need it, through their own
+    caches: the first over every row's pending tokens (ragged: padded, the padding dropped by a
+    transaction per row), then one a draft over the rows still drafting. With full attention,
+    a shape policy's buffers (power-of-two padding) and sliding windows past their size, each
+    row's drafts, q, cache rows and bookkeeping are those its own ``propose`` leaves, over two
+    rounds (the second after commits that leave 1 or 2 tokens pending, or roll a window back)."""
     from engine.drafters.draft_model import DraftModelDrafter
     from tests.tiny import make_tiny_model
 
     engine = make_tiny_engine("llama", seed=4)
-    base = DraftModelDrafter(make_tiny_model("llama", seed=5), max_draft=4)
+    base = DraftModelDrafter(make_tiny_model(arch, seed=5), max_draft=4, shapes=policy)
     vocab = engine.target.vocab_size
     contexts = [[(7 * i + 3) % vocab for i in range(n)] for n in (9, 4, 14)]
     caps = [4, 2, 3]
@@ -147,16 +169,17 @@ def test_draft_model_rows_propose_together_what_each_proposes_alone(monkeypatch)
         samplers = sampler()
         together = DraftModelDrafter.propose_rows([(d, ids, cap, s) for (d, ids), cap, s
                                                    in zip(together_rows, caps, samplers)])
-        assert rows_in_forward and set(rows_in_forward) == {3}
+        assert rows_in_forward == [3, 3, 2, 1]  # caps 4, 2, 3: a row feeds its first cap - 1 drafts
         for a, t, (da, _), (dt, _) in zip(alone, together, alone_rows, together_rows):
             assert a.tokens.tolist() == t.tokens.tolist()
             assert (a.probs is None) == (t.probs is None)
             if a.probs is not None:
                 assert np.abs(np.array(a.probs) - np.array(t.probs)).max() < 1e-5
             assert da._cached == dt._cached and da._uncommitted.tolist() == dt._uncommitted.tolist()
-            assert [c.offset for c in da._cache] == [c.offset for c in dt._cache]
-            for ca, ct in zip(da._cache, dt._cache):
-                assert np.allclose(np.array(ca.keys[..., : ca.offset, :]), np.array(ct.keys[..., : ct.offset, :]), atol=1e-5)
+            assert [type(c) for c in caches.leaves(dt._cache)] == [type(c) for c in caches.leaves(da._cache)]
+            held_alone, held_together = draft_cache_rows(da._cache), draft_cache_rows(dt._cache)
+            assert [a.shape for a in held_alone] == [t.shape for t in held_together]
+            assert all(np.allclose(a, t, atol=1e-5) for a, t in zip(held_alone, held_together))
         if accepted is None:
             return
         for rows in (alone_rows, together_rows):

@@ -19,10 +19,10 @@ Under a shape policy (engine/shapes.py, CUDA) the draft model's attention caches
 run that is hundreds of tokens): a backend that compiles a kernel per (rows, key rows) shape
 then builds a few once (``warm_up``) instead of one on nearly every proposal.
 
-Rows of a batch propose together (``propose_rows``) where their caches are plain full attention
-and no shape policy applies: each forward runs once over every row, through each row's own cache
-(``engine.batch_cache.batch_view``), so the draft model's weights are read once a step for the
-batch instead of once a row.
+Rows of a batch propose together (``propose_rows``): each forward runs once over every row that
+needs it, through each row's own cache (``engine.batch_cache.batch_view``: full attention, a
+shape policy's buffers, sliding windows), so the draft model's weights are read once a step for
+the batch instead of once a row. A draft model with recurrent state proposes a row at a time.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches
-from engine.batch_cache import batch_view
+from engine.batch_cache import batch_view, batchable
 from engine.drafters.base import Draft, Drafter, DrafterState, propose_each
 from engine.errors import TandemError
 from engine.sampling import Sampler, pick_rows, sample_from
@@ -208,16 +208,16 @@ class DraftModelDrafter(Drafter):
     @staticmethod
     def propose_rows(requests: Sequence[tuple["DraftModelDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
         """``propose`` for several rows of one draft model (a batch's): each forward runs once over
-        every row, through each row's own cache. A row's pending tokens (its anchor and what was
-        committed since its last proposal) go in the first forward, padded to the longest row's
-        with copies of its anchor whose rows are trimmed from its cache right after; then one
-        forward a draft, and a row that drafts fewer than the others has the extra rows trimmed.
-        Each row ends as after its own ``propose`` (its cache's values may differ in the last
-        bits), and samples with its own sampler, a key per draft, as alone. Rows whose caches are
-        not plain full attention, or that run under a shape policy, propose alone."""
+        the rows that need it, through each row's own cache. A row's pending tokens (its anchor
+        and what was committed since its last proposal) go in the first forward, right-padded to
+        the longest row's (under a shape policy, to a power of two) inside a transaction per row
+        that keeps only its own tokens (``caches.Verify``: a trim, or a sliding window's rows cut);
+        then one forward a draft over the rows still drafting. Each row ends as after its own
+        ``propose`` (its cache's values may differ in the last bits) and samples with its own
+        sampler, a key per draft, as alone. Rows whose draft model keeps recurrent state propose
+        alone: selecting each row's state after its own tokens needs a recording of the forward."""
         drafting = [b for b, (drafter, _, cap, _) in enumerate(requests) if min(cap, drafter.max_draft) > 0]
-        group = [b for b in drafting if requests[b][0].shapes is None and requests[b][0]._cache
-                 and all(type(c) is KVCache for c in caches.leaves(requests[b][0]._cache))]
+        group = [b for b in drafting if _batches(requests[b][0]._cache)]
         out = propose_each(requests, [b for b in drafting if b not in group], [None] * len(requests))
         if len(group) < 2:
             return propose_each(requests, group, out)
@@ -225,27 +225,36 @@ class DraftModelDrafter(Drafter):
         drafters = [d for d, _, _, _ in rows]
         caps = [min(cap, d.max_draft) for d, _, cap, _ in rows]
         pending = [d._feed_backlog(d._sync(ids), FEED_CHUNK)[1] for d, ids, _, _ in rows]
+        for d, (_, ids, _, _), p in zip(drafters, rows, pending):
+            if not d._trims:
+                d._savepoint, d._saved = caches.Savepoint(d._cache), len(ids) - len(p)
         width = max(len(p) for p in pending)
-        model = drafters[0].model
-        logits = model(mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32),
-                       cache=batch_view([d._cache for d in drafters]))
-        for d, p in zip(drafters, pending):  # the padding's rows go
-            caches.trim_to(d._cache, caches.length(d._cache) - (width - len(p)))
+        if drafters[0].shapes is not None:
+            width = 1 << (width - 1).bit_length()  # a power of two: a known batch shape, not a new one
+        txns = [caches.Verify(d._cache, width) for d in drafters]
+        logits = drafters[0].model(mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32),
+                                   cache=batch_view([d._cache for d in drafters]))
+        for txn, p in zip(txns, pending):  # the padding's rows go
+            txn.commit(len(p))
         logits = mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
-        depth = max(caps)
-        tokens, probs = [], [[] for _ in rows]
-        samplers = [s for _, _, _, s in rows]
-        for i in range(depth):
-            picks = pick_rows(logits, samplers, [i < cap for cap in caps], probs).astype(mx.uint32)
-            tokens.append(picks)
-            if i + 1 < depth:
-                logits = model(picks[:, None], cache=batch_view([d._cache for d in drafters]))[:, -1]
-        tokens = mx.stack(tokens, axis=1)
-        for b, r, (d, ids, _, _), cap in zip(group, range(len(rows)), rows, caps):
-            caches.trim_to(d._cache, caches.length(d._cache) - (depth - cap))  # chain rows it would not feed alone
-            draft = Draft(tokens[r, :cap], mx.stack(probs[r]) if probs[r] else None)
+        tokens: list[list[mx.array]] = [[] for _ in rows]
+        probs: list[list[mx.array]] = [[] for _ in rows]
+        active = list(range(len(rows)))
+        for i in range(max(caps)):
+            picks = pick_rows(logits, [rows[r][3] for r in active], [True] * len(active), [probs[r] for r in active])
+            for at, r in enumerate(active):
+                tokens[r].append(picks[at])
+            feeding = [at for at, r in enumerate(active) if i + 1 < caps[r]]  # a row feeds its first cap - 1 drafts
+            if not feeding:
+                break
+            active = [active[at] for at in feeding]
+            fed = picks[mx.array(feeding)] if len(feeding) < picks.shape[0] else picks
+            logits = drafters[0].model(fed.astype(mx.uint32)[:, None],
+                                       cache=batch_view([drafters[r]._cache for r in active]))[:, -1]
+        for b, (d, ids, _, _), row_tokens, row_probs in zip(group, rows, tokens, probs):
+            draft = Draft(mx.stack(row_tokens).astype(mx.uint32), mx.stack(row_probs) if row_probs else None)
             d._cached = list(ids)
-            d._uncommitted = draft.tokens[: cap - 1]
+            d._uncommitted = draft.tokens[:-1]
             out[b] = draft
         return out
 
@@ -253,3 +262,8 @@ class DraftModelDrafter(Drafter):
         # Record the drafted rows so _sync keeps the accepted ones and trims the rest.
         self._cached += self._uncommitted.tolist()
         self._uncommitted = mx.array([], dtype=mx.uint32)
+
+
+def _batches(cache: list) -> bool:
+    """Whether a row's draft cache can share a forward with others' (recurrent state cannot here)."""
+    return bool(cache) and batchable(cache) is None and not caches.has_recurrent(cache)
