@@ -172,6 +172,24 @@ def batch_view(row_caches: Sequence[list]) -> list:
     return [_batched([row[i] for row in row_caches]) for i in range(len(row_caches[0]))]
 
 
+def run_rows(model: Any, ids: mx.array, row_caches: Sequence[list]) -> mx.array:
+    """A plain model (a draft model, not the target) over ``ids`` [B, L], row b after its own
+    caches ``row_caches[b]``, each row keeping all L rows: attention rows go to each row's cache
+    as the forward runs, and each recurrent layer's new batched state is cut back into the rows'.
+    Returns the lazy logits [B, L, V]."""
+    view = batch_view(row_caches)
+    before = {i: list(c.cache) for i, c in enumerate(leaves(view)) if type(c) is ArraysCache}
+    logits = model(ids, cache=view)
+    view_leaves = leaves(view)
+    row_leaves = [leaves(c) for c in row_caches]
+    for i, slots in before.items():
+        for j, state in enumerate(view_leaves[i].cache):
+            if state is not slots[j]:
+                for b, own in enumerate(row_leaves):
+                    own[i][j] = state[b : b + 1]
+    return logits
+
+
 Pick = Callable[[int], mx.array]  # a slot's batched value after the first ``kept`` rows
 
 

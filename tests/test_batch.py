@@ -156,13 +156,13 @@ def _engine_for(mode: str, tmp_path):
 
     from tests.test_block_drafters import bigram_engine
 
-    arch = {"eagle3": "qwen3", "draft-windowed": "gemma3"}.get(mode, "llama")
+    arch = {"eagle3": "qwen3", "draft-windowed": "gemma3", "draft-recurrent": "qwen3_5"}.get(mode, "llama")
     eng = bigram_engine() if mode == "mtp" else make_tiny_engine(arch, seed=4)
     eng.suffix_index = None  # see make_engine
     if mode == "draft-stable":  # CUDA's shape policy on this CPU: buffers of 16 rows grow mid-run
         eng.target.set_shapes(ShapePolicy(step=16, widths=(1, 2, 4, 8)))
     if mode.startswith("draft"):
-        draft_arch = "llama-sliding" if mode == "draft-windowed" else "llama"
+        draft_arch = {"draft-windowed": "llama-sliding", "draft-recurrent": "qwen3_5"}.get(mode, "llama")
         eng.set_drafter("draft", DraftModelDrafter(make_tiny_model(draft_arch, seed=4), max_draft=4,
                                                    shapes=eng.target.shapes))
         return eng, "draft"
@@ -178,12 +178,12 @@ def _engine_for(mode: str, tmp_path):
     return eng, "dspark" if mode == "lookup-first" else mode
 
 
-@pytest.mark.parametrize("mode", ["draft", "draft-windowed", "draft-stable", "dspark", "dflash", "eagle3", "mtp",
-                                  "lookup-first"])
+@pytest.mark.parametrize("mode", ["draft", "draft-windowed", "draft-recurrent", "draft-stable", "dspark", "dflash",
+                                  "eagle3", "mtp", "lookup-first"])
 def test_every_drafter_batches(mode, tmp_path, monkeypatch):
     """Each mode's rows (own drafter state each, different caps, one joining mid-flight) equal
     their requests alone; rows whose drafters have a head propose together (a draft model also
-    with sliding windows on both sides, and under a shape policy)."""
+    with sliding windows or recurrent state on both sides, and under a shape policy)."""
     eng, run_mode = _engine_for(mode, tmp_path)
     together: list[int] = []
     drafter = eng.drafter(run_mode)

@@ -126,11 +126,13 @@ def draft_cache_rows(cache) -> list[np.ndarray]:
     """A draft cache's rows the next query sees, per layer: a full-attention cache's up to its
     offset (a buffer's rows past it are scratch), a sliding window's last ``max_size - 1`` in
     temporal order (a multi-row update and a one-row one lay the same window out differently)."""
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
     out = []
     for c in caches.leaves(cache):
-        if type(c) is RotatingKVCache:
+        if type(c) is ArraysCache:
+            out += [np.array(a) for a in c.cache if a is not None]
+        elif type(c) is RotatingKVCache:
             seen = min(c.offset, c.max_size - 1)
             out += [np.array(c._temporal_order(a)[..., -seen:, :]) for a in (c.keys, c.values)] + [np.array(c.offset)]
         else:
@@ -139,12 +141,14 @@ def draft_cache_rows(cache) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("arch,policy", [("llama", None), ("llama", ShapePolicy()), ("llama-sliding", None),
-                                         ("gemma3", ShapePolicy())])
+                                         ("gemma3", ShapePolicy()), ("qwen3_5", None), ("nemotron_h", ShapePolicy()),
+                                         ("lfm2", None)])
 def test_draft_model_rows_propose_together_what_each_proposes_alone(arch, policy, monkeypatch):
     """A draft model's rows run each forward once over the rows that need it, through their own
     caches: the first over every row's pending tokens (ragged: padded, the padding dropped by a
     transaction per row), then one a draft over the rows still drafting. With full attention,
-    a shape policy's buffers (power-of-two padding) and sliding windows past their size, each
+    a shape policy's buffers (power-of-two padding), sliding windows past their size and
+    recurrent state (no padding: a forward per pending length, each row's state cut out), each
     row's drafts, q, cache rows and bookkeeping are those its own ``propose`` leaves, over two
     rounds (the second after commits that leave 1 or 2 tokens pending, or roll a window back)."""
     from engine.drafters.draft_model import DraftModelDrafter
@@ -169,7 +173,10 @@ def test_draft_model_rows_propose_together_what_each_proposes_alone(arch, policy
         samplers = sampler()
         together = DraftModelDrafter.propose_rows([(d, ids, cap, s) for (d, ids), cap, s
                                                    in zip(together_rows, caps, samplers)])
-        assert rows_in_forward == [3, 3, 2, 1]  # caps 4, 2, 3: a row feeds its first cap - 1 drafts
+        # The pending tokens in one forward (recurrent state: one per pending length, in pieces
+        # under a shape policy), then the chain: caps 4, 2, 3, and a row feeds its first cap - 1 drafts.
+        assert rows_in_forward[-3:] == [3, 2, 1]
+        assert rows_in_forward[:-3] == [3] or caches.has_recurrent(together_rows[0][0]._cache)
         for a, t, (da, _), (dt, _) in zip(alone, together, alone_rows, together_rows):
             assert a.tokens.tolist() == t.tokens.tolist()
             assert (a.probs is None) == (t.probs is None)

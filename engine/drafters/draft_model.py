@@ -21,8 +21,8 @@ then builds a few once (``warm_up``) instead of one on nearly every proposal.
 
 Rows of a batch propose together (``propose_rows``): each forward runs once over every row that
 needs it, through each row's own cache (``engine.batch_cache.batch_view``: full attention, a
-shape policy's buffers, sliding windows), so the draft model's weights are read once a step for
-the batch instead of once a row. A draft model with recurrent state proposes a row at a time.
+shape policy's buffers, sliding windows, recurrent state), so the draft model's weights are read
+once a step for the batch instead of once a row.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches
-from engine.batch_cache import batch_view, batchable
+from engine.batch_cache import batchable, run_rows
 from engine.drafters.base import Draft, Drafter, DrafterState, propose_each
 from engine.errors import TandemError
 from engine.sampling import Sampler, pick_rows, sample_from
@@ -209,13 +209,11 @@ class DraftModelDrafter(Drafter):
     def propose_rows(requests: Sequence[tuple["DraftModelDrafter", Sequence[int], int, Sampler]]) -> list[Draft | None]:
         """``propose`` for several rows of one draft model (a batch's): each forward runs once over
         the rows that need it, through each row's own cache. A row's pending tokens (its anchor
-        and what was committed since its last proposal) go in the first forward, right-padded to
-        the longest row's (under a shape policy, to a power of two) inside a transaction per row
-        that keeps only its own tokens (``caches.Verify``: a trim, or a sliding window's rows cut);
-        then one forward a draft over the rows still drafting. Each row ends as after its own
+        and what was committed since its last proposal) go in the first forward
+        (``_first_forward``); then one forward a draft over the rows still drafting. Each row ends as after its own
         ``propose`` (its cache's values may differ in the last bits) and samples with its own
-        sampler, a key per draft, as alone. Rows whose draft model keeps recurrent state propose
-        alone: selecting each row's state after its own tokens needs a recording of the forward."""
+        sampler, a key per draft, as alone. A draft model with recurrent state feeds the first
+        forward once per pending length instead of padding (``_first_forward``)."""
         drafting = [b for b, (drafter, _, cap, _) in enumerate(requests) if min(cap, drafter.max_draft) > 0]
         group = [b for b in drafting if _batches(requests[b][0]._cache)]
         out = propose_each(requests, [b for b in drafting if b not in group], [None] * len(requests))
@@ -228,15 +226,7 @@ class DraftModelDrafter(Drafter):
         for d, (_, ids, _, _), p in zip(drafters, rows, pending):
             if not d._trims:
                 d._savepoint, d._saved = caches.Savepoint(d._cache), len(ids) - len(p)
-        width = max(len(p) for p in pending)
-        if drafters[0].shapes is not None:
-            width = 1 << (width - 1).bit_length()  # a power of two: a known batch shape, not a new one
-        txns = [caches.Verify(d._cache, width) for d in drafters]
-        logits = drafters[0].model(mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32),
-                                   cache=batch_view([d._cache for d in drafters]))
-        for txn, p in zip(txns, pending):  # the padding's rows go
-            txn.commit(len(p))
-        logits = mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
+        logits = _first_forward(drafters, pending)
         tokens: list[list[mx.array]] = [[] for _ in rows]
         probs: list[list[mx.array]] = [[] for _ in rows]
         active = list(range(len(rows)))
@@ -249,8 +239,8 @@ class DraftModelDrafter(Drafter):
                 break
             active = [active[at] for at in feeding]
             fed = picks[mx.array(feeding)] if len(feeding) < picks.shape[0] else picks
-            logits = drafters[0].model(fed.astype(mx.uint32)[:, None],
-                                       cache=batch_view([drafters[r]._cache for r in active]))[:, -1]
+            logits = run_rows(drafters[0].model, fed.astype(mx.uint32)[:, None],
+                              [drafters[r]._cache for r in active])[:, -1]
         for b, (d, ids, _, _), row_tokens, row_probs in zip(group, rows, tokens, probs):
             draft = Draft(mx.stack(row_tokens).astype(mx.uint32), mx.stack(row_probs) if row_probs else None)
             d._cached = list(ids)
@@ -265,5 +255,35 @@ class DraftModelDrafter(Drafter):
 
 
 def _batches(cache: list) -> bool:
-    """Whether a row's draft cache can share a forward with others' (recurrent state cannot here)."""
-    return bool(cache) and batchable(cache) is None and not caches.has_recurrent(cache)
+    """Whether a row's draft cache can share a forward with others'."""
+    return bool(cache) and batchable(cache) is None
+
+
+def _first_forward(drafters: Sequence[DraftModelDrafter], pending: list[list[int]]) -> mx.array:
+    """Each row's pending tokens after its own cache: the logits [R, V] after its last. Rows go in
+    one forward, right-padded to the longest (under a shape policy, to a power of two) inside a
+    transaction per row that keeps its own tokens (``caches.Verify``: a trim, or a sliding
+    window's rows cut). Recurrent state cannot drop padding without a recording of the forward,
+    so a draft model that keeps it feeds one forward per pending length instead."""
+    model = drafters[0].model
+    caches_of = [d._cache for d in drafters]
+    if caches.has_recurrent(caches_of[0]):
+        out: list[mx.array | None] = [None] * len(drafters)
+        for size in sorted({len(p) for p in pending}):
+            rows = [r for r, p in enumerate(pending) if len(p) == size]
+            start = 0
+            for piece in pieces(size, drafters[0].shapes is not None, FEED_CHUNK):  # as ``_forward``
+                ids = mx.array([pending[r][start : start + piece] for r in rows], dtype=mx.uint32)
+                logits = run_rows(model, ids, [caches_of[r] for r in rows])
+                start += piece
+            for at, r in enumerate(rows):
+                out[r] = logits[at, -1]
+        return mx.stack(out)
+    width = max(len(p) for p in pending)
+    if drafters[0].shapes is not None:
+        width = 1 << (width - 1).bit_length()  # a power of two: a known batch shape, not a new one
+    txns = [caches.Verify(c, width) for c in caches_of]
+    logits = run_rows(model, mx.array([p + p[-1:] * (width - len(p)) for p in pending], dtype=mx.uint32), caches_of)
+    for txn, p in zip(txns, pending):  # the padding's rows go
+        txn.commit(len(p))
+    return mx.stack([logits[r, len(p) - 1] for r, p in enumerate(pending)])
