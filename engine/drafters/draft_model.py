@@ -210,10 +210,9 @@ class DraftModelDrafter(Drafter):
         """``propose`` for several rows of one draft model (a batch's): each forward runs once over
         the rows that need it, through each row's own cache. A row's pending tokens (its anchor
         and what was committed since its last proposal) go in the first forward
-        (``_first_forward``); then one forward a draft over the rows still drafting. Each row ends as after its own
-        ``propose`` (its cache's values may differ in the last bits) and samples with its own
-        sampler, a key per draft, as alone. A draft model with recurrent state feeds the first
-        forward once per pending length instead of padding (``_first_forward``)."""
+        (``_first_forward``); then one forward a draft over the rows still drafting. Each row
+        ends as after its own ``propose`` (its cache's values may differ in the last bits) and
+        samples with its own sampler, a key per draft, as alone."""
         drafting = [b for b, (drafter, _, cap, _) in enumerate(requests) if min(cap, drafter.max_draft) > 0]
         group = [b for b in drafting if _batches(requests[b][0]._cache)]
         out = propose_each(requests, [b for b in drafting if b not in group], [None] * len(requests))
