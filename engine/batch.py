@@ -51,6 +51,7 @@ from engine.target import Target, prefill_bounds
 
 CUT_RUN = 4  # plain steps a row takes after the batch cut all of its drafts, before it drafts again
 MAX_CUT_RUN = 64  # ... doubled at each cut to nothing in a row, up to this
+CATCH_UP_HORIZON = 16  # tokens a row's catch-up is spread over at least (see _catch_ups)
 PREFILL_SLICE_S = 0.03  # a tick's prefill beyond its first chunk: what decoding rows may wait for a newcomer
 
 
@@ -434,10 +435,12 @@ class BatchLoop:
         do; a seeded row proposes alone, so its drafts, and its sample, are those it gets alone."""
         proposals: dict[int, object] = {}
         together: dict[tuple, list[int]] = {}
+        caught_up = sum(self._catch_up(row) for row, cap in zip(rows, caps) if cap)
+        for row in rows:  # a one-off backlog: not this round's cost, to any row that waited for it
+            row.t_last += caught_up
         for b, (row, cap) in enumerate(zip(rows, caps)):
             if not cap:
                 continue
-            self._catch_up(row)
             drafter = row.drafter
             if hasattr(drafter, "propose_rows") and row.sampler.params.seed is None:
                 together.setdefault((type(drafter), id(getattr(drafter, "model", None))), []).append(b)
@@ -458,12 +461,14 @@ class BatchLoop:
             plans.append((cap, draft.tokens.tolist(), draft))
         return plans
 
-    def _catch_up(self, row: BatchRow) -> None:
+    def _catch_up(self, row: BatchRow) -> float:
+        """The row's drafter's catch-up, done now: its seconds (0: nothing to feed), told to its policy."""
         t0 = self.clock()
-        if row.drafter.catch_up(row.stats.ids):  # a one-off backlog: not the round's cost
-            caught_up = self.clock() - t0
-            row.t_last += caught_up
-            _tell_catch_up(row.cap_policy, caught_up)
+        if not row.drafter.catch_up(row.stats.ids):
+            return 0.0
+        caught_up = self.clock() - t0
+        _tell_catch_up(row.cap_policy, caught_up)
+        return caught_up
 
     def _emit(self, row: BatchRow, tokens: list[int], drafted: int, accepted: int, cap: int,
               draft_s: float = 0.0, verify_s: float = 0.0, drafted_by: str = "", logprobs: list | None = None
@@ -521,11 +526,28 @@ def _uncut(caps: list[int], rows: Sequence[BatchRow], after_plain: bool = False)
     plain = len(rows) / min(cost.plain_step_ms(), judge.cal.plain_step_ms())
     refill = judge.refill_ms() if after_plain else 0.0
     worths = _worths(rows, judge, before=True)
+    once = _catch_ups(rows, caps, worths)
     best = max(sum(_worth(t, min(cap, w - 1)) for t, cap in zip(worths, caps))
-               / (cost.verify(w) + cost.draft(w - 1) + refill) for w in range(2, max(caps) + 2))
+               / (cost.verify(w) + cost.draft(w - 1) + refill + once) for w in range(2, max(caps) + 2))
     if best > plain:
         return caps
     return [_trimmed(row, (cap, [0] * cap, None), 0, len(rows))[0] for row, cap in zip(rows, caps)]
+
+
+def _catch_ups(rows: Sequence[BatchRow], caps: list[int], worths: list[list[float]]) -> float:
+    """What the drafting rows' catch-ups (a draft model feeding the prompt, or the run of plain
+    steps the batch cut it to) add to this round, each spread over the rounds left to pay it
+    back: its tokens still to come, guessed as many as it generated so far (at least
+    CATCH_UP_HORIZON, at most its budget), at what a round of its cap commits. A row near its
+    end does not start a draft model on a backlog of a thousand tokens for one more token."""
+    total = 0.0
+    for row, cap, table in zip(rows, caps, worths):
+        drafter = getattr(row, "drafter", None)
+        ms = drafter.backlog_ms(row.stats.ids) if cap and drafter is not None else 0.0
+        if ms > 0:
+            left = min(row.max_new_tokens - row.generated, max(row.generated, CATCH_UP_HORIZON))
+            total += ms * _worth(table, cap) / max(1, left)
+    return total
 
 
 def _worths(rows: Sequence[BatchRow], judge: object, before: bool = False) -> list[list[float]]:

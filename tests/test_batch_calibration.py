@@ -383,6 +383,44 @@ def test_nobody_drafts_where_a_round_loses_to_a_queued_plain_step_of_every_row()
     assert _uncut([3, 3, 3, 3], rows, after_plain=True) == [0, 0, 0, 0]
 
 
+def test_a_draft_models_catch_up_is_priced_over_the_tokens_left_to_pay_it_back():
+    """A row whose draft model has a backlog (the prompt, or the plain steps the batch cut it to)
+    pays a catch-up before it can draft, measured by its drafter (``backlog_ms``). The batch
+    spreads it over the row's tokens still to come: near the end of a request the rows do not
+    start on it for a token or two (on this CPU three such catch-ups of a 0.5B draft model took
+    3 s each for one token each); with many tokens to come, or nothing to feed, they draft."""
+    from types import SimpleNamespace
+
+    from engine.batch import _uncut
+    from engine.drafters.draft_model import DraftModelDrafter
+    from tests.tiny import make_tiny_model
+
+    base = DraftModelDrafter(make_tiny_model("llama", seed=5), max_draft=4)
+    prompt = [(5 * i + 3) % 60 + 2 for i in range(41)]
+    base.begin(prompt[:-1], None)
+    assert base.backlog_ms(prompt) == 0.0  # fed nothing yet, so its pace is not known
+    assert base.catch_up(prompt) == 40 and base.pace.ms_per_token > 0  # measured as it fed
+    assert base.backlog_ms(prompt) == 0.0 and base.backlog_ms(prompt + [7] * 15) == 0.0  # a short one rides the round
+
+    def four_rows(generated: int, max_new_tokens: int, backlog: int):
+        cal = batched([10.0 + 0.5 * (w - 1) for w in range(1, 10)], per_row_width=0.2)
+        cal.plain_ms = 10.5
+        rows = []
+        for _ in range(4):
+            drafter = base.fork()
+            drafter.begin(prompt[:-1], None)  # a fresh row: its prompt is its backlog
+            ids = prompt[: backlog + 1] if backlog else []
+            rows.append(SimpleNamespace(cap_policy=_speculating(cal, 0.5), cuts=0, run_left=0, run_stop=None,
+                                        drafter=drafter, stats=SimpleNamespace(ids=ids), generated=generated,
+                                        max_new_tokens=max_new_tokens))
+        return rows
+
+    base.pace.ms_per_token = 1.0  # the forks share it: 40 tokens to feed cost 40 ms a row
+    assert _uncut([3, 3, 3, 3], four_rows(0, 64, backlog=0)) == [3, 3, 3, 3]  # nothing to feed: as before
+    assert _uncut([3, 3, 3, 3], four_rows(60, 64, backlog=40)) == [0, 0, 0, 0]  # four tokens left
+    assert _uncut([3, 3, 3, 3], four_rows(400, 1000, backlog=40)) == [3, 3, 3, 3]  # hundreds to come
+
+
 def test_a_row_cut_in_a_batch_drafts_again_once_it_is_alone():
     """The plain run a cut imposes belongs to the width it was cut at: when the other rows leave,
     the row asks its controller at once (alone its drafts are its own to pay) instead of waiting

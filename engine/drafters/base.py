@@ -98,6 +98,11 @@ class Drafter:
         run), so the loop times it apart from the round. Returns the tokens caught up (0: none)."""
         return 0
 
+    def backlog_ms(self, ids: Sequence[int]) -> float:
+        """What ``catch_up`` before a proposal after ``ids`` would cost now (ms, as this drafter
+        measured its feeding): a batch weighs it before letting a row draft. 0: nothing to feed."""
+        return 0.0
+
     def draft_ready(self, ids: Sequence[int]) -> bool:
         """Whether ``propose`` after ``ids`` may return a draft, as far as is known without a
         model call. False (n-gram lookup with no match) lets the loop take pipelined plain steps

@@ -27,6 +27,7 @@ once a step for the batch instead of once a row.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -41,6 +42,18 @@ from engine.shapes import ShapePolicy, StableKVCache, pieces
 
 FEED_CHUNK = 512  # rows fed per forward at most: bounded memory for a long prompt
 CATCH_UP_MIN = 16  # a shorter backlog is fed with the proposal, in the same lazy graph (no sync)
+
+
+class FeedPace:
+    """The draft model's measured feeding pace (ms a token, averaged), one object shared by a
+    drafter and its forks (a batch's rows), so what one row's catch-up took prices the others'."""
+
+    def __init__(self) -> None:
+        self.ms_per_token = 0.0  # 0: not measured yet
+
+    def add(self, tokens: int, seconds: float) -> None:
+        ms = 1000.0 * seconds / tokens
+        self.ms_per_token = ms if self.ms_per_token == 0 else 0.7 * self.ms_per_token + 0.3 * ms
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
@@ -68,6 +81,7 @@ class DraftModelDrafter(Drafter):
         self._uncommitted = mx.array([], dtype=mx.uint32)  # drafts fed to the cache, not yet in _cached
         self._savepoint: caches.Savepoint | None = None  # before the last proposal fed its tokens
         self._saved = 0  # tokens the cache held at that savepoint
+        self.pace = FeedPace()
 
     def speculation_blocker(self) -> str | None:
         reason = caches.blocker(make_prompt_cache(self.model))
@@ -89,9 +103,11 @@ class DraftModelDrafter(Drafter):
     def _feed(self, tokens: list[int]) -> None:
         """Prefill these committed tokens after the cached ones, a chunk per sync (the anchor
         after them is fed with the proposal)."""
+        t0 = time.perf_counter()
         for start in range(0, len(tokens), FEED_CHUNK):
             self._forward(tokens[start : start + FEED_CHUNK])
             mx.eval([c.state for c in self._cache])
+        self.pace.add(len(tokens), time.perf_counter() - t0)
         self._cached = self._cached + tokens
 
     def _forward(self, tokens: list[int]) -> mx.array:
@@ -127,6 +143,12 @@ class DraftModelDrafter(Drafter):
         if not self._cache:
             return 0
         return self._feed_backlog(self._sync(ids), CATCH_UP_MIN)[0]
+
+    def backlog_ms(self, ids: Sequence[int]) -> float:
+        if not self._cache:
+            return 0.0
+        backlog = len(ids) - 1 - caches.common_prefix(self._cached, ids)
+        return backlog * self.pace.ms_per_token if backlog >= CATCH_UP_MIN else 0.0  # a shorter one rides the round
 
     def _feed_backlog(self, pending: list[int], least: int) -> tuple[int, list[int]]:
         """Feed every pending token but the anchor now when they are ``least`` or more:

@@ -90,6 +90,9 @@ class LookupFirst(Drafter):
     def catch_up(self, ids: Sequence[int]) -> int:
         return self.model_drafter.catch_up(ids)
 
+    def backlog_ms(self, ids: Sequence[int]) -> float:
+        return self.model_drafter.backlog_ms(ids)
+
     def cheap_draft_ready(self, ids: Sequence[int]) -> bool:
         return self.lookup.cheap_draft_ready(ids)
 

@@ -5,7 +5,7 @@ gap, and at the end the cost curve it priced rounds with at this batch width. Wr
 H100 runs where lookup@auto ran summarization at 0.93x the batched baseline while lookup at a
 fixed cap of 16 ran 1.2x it (h100-batch-ticks-...-s10-summ.json).
 
-    python3 tests/device/auto_trace.py [--gguf STARTER.gguf] [--dtype bfloat16] [--mode lookup]
+    python3 tests/device/auto_trace.py [--gguf STARTER.gguf] [--dtype bfloat16] [--draft-model PATH] [--mode lookup]
         [--classes summarization] [--max-new-tokens 128] [--sequential-first] [--suffix-index] [--json OUT.json]
 
 ``--sequential-first`` runs the arm's requests one after another before the traced batch, as
@@ -99,6 +99,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--draft-model", default=None, help="a draft model for --mode draft")
     ap.add_argument("--mode", default="lookup")
     ap.add_argument("--classes", default="summarization")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,7 +107,7 @@ def main() -> int:
     ap.add_argument("--suffix-index", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    eng = load(args.gguf, dtype=args.dtype)
+    eng = load(args.gguf, dtype=args.dtype, draft_model=args.draft_model)
     if not args.suffix_index:
         eng.suffix_index = None
     print(f"batch warm-up: {batching.warm_up(eng, ['baseline', args.mode], 4):.1f} s", flush=True)
