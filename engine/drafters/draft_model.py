@@ -52,6 +52,8 @@ class FeedPace:
         self.ms_per_token = 0.0  # 0: not measured yet
 
     def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0:
+            return
         ms = 1000.0 * seconds / tokens
         self.ms_per_token = ms if self.ms_per_token == 0 else 0.7 * self.ms_per_token + 0.3 * ms
 
