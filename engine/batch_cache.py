@@ -30,7 +30,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, _BaseCache
 
 from engine.caches import CacheError, Verify, leaves
-from engine.shapes import StableKVCache, capacity
+from engine.shapes import StableKVCache
 from engine.slot_kv import SlotKV, row_offsets
 
 # StableKVCache (a shape policy's full attention): a target's rows batch through the slot buffers
@@ -52,11 +52,8 @@ def fetched_length(c: Any, n: int) -> int:
     ``make_mask(n)`` is shaped for)."""
     if type(c) in (KVCache, SlotKV):
         return int(c.offset) + n
-    if type(c) is StableKVCache:  # one row: its rows; several: its whole buffer, grown as update_and_fetch grows it
-        end = int(c.offset) + n
-        if n == 1:
-            return end
-        return c.keys.shape[2] if c.keys is not None and end <= c.keys.shape[2] else capacity(end, c.step)
+    if type(c) is StableKVCache:
+        return c.fetched(n)
     if type(c) is RotatingKVCache:
         if n > 1:  # _update_concat: the window in temporal order, at most max_size - 1 old rows
             return (min(int(c.offset), c.max_size - 1) if c.keys is not None else 0) + n
@@ -178,16 +175,19 @@ def run_rows(model: Any, ids: mx.array, row_caches: Sequence[list]) -> mx.array:
     as the forward runs, and each recurrent layer's new batched state is cut back into the rows'.
     Returns the lazy logits [B, L, V]."""
     view = batch_view(row_caches)
-    before = {i: list(c.cache) for i, c in enumerate(leaves(view)) if type(c) is ArraysCache}
+    before = recurrent_slots(view)
     logits = model(ids, cache=view)
-    view_leaves = leaves(view)
-    row_leaves = [leaves(c) for c in row_caches]
-    for i, slots in before.items():
-        for j, state in enumerate(view_leaves[i].cache):
-            if state is not slots[j]:
-                for b, own in enumerate(row_leaves):
-                    own[i][j] = state[b : b + 1]
+    width = int(ids.shape[1])
+    picks = recurrent_picks(view, before, width, None)  # no recording: each state after the whole forward
+    for b, cache in enumerate(row_caches):
+        put_picks(cache, picks, width, b)
     return logits
+
+
+def recurrent_slots(view: list) -> dict[int, list]:
+    """Per recurrent leaf of a batch view (by index in ``leaves(view)``): its slots before a
+    forward (``recurrent_picks`` finds the ones the forward replaced)."""
+    return {i: list(c.cache) for i, c in enumerate(leaves(view)) if type(c) is ArraysCache}
 
 
 Pick = Callable[[int], mx.array]  # a slot's batched value after the first ``kept`` rows
@@ -236,7 +236,12 @@ class RowVerify(Verify):
         super().commit(kept)  # the row's recurrent slots were not written: only attention rows go
         if kept == 0:  # rolled back: the slots keep their state from before the forward
             return
-        row_leaves = leaves(self.cache)
-        for i, slots in self.picks.items():
-            for j, pick in slots:
-                row_leaves[i][j] = pick(kept)[self.row : self.row + 1]
+        put_picks(self.cache, self.picks, kept, self.row)
+
+
+def put_picks(cache: list, picks: dict[int, list[tuple[int, Pick]]], kept: int, row: int) -> None:
+    """Row ``row``'s recurrent slots in its own ``cache``: each picked state after ``kept`` rows, cut to the row."""
+    row_leaves = leaves(cache)
+    for i, slots in picks.items():
+        for j, pick in slots:
+            row_leaves[i][j] = pick(kept)[row : row + 1]

@@ -148,11 +148,16 @@ class StableKVCache(KVCache):
         if self.keys is None or rows > self.keys.shape[2]:
             self._grow(rows, *like)
 
+    def fetched(self, n: int) -> int:
+        """Key rows ``update_and_fetch`` of ``n`` rows returns: its rows for one, else the whole
+        buffer as that update leaves it."""
+        if n == 1:
+            return self.offset + 1
+        rows = capacity(self.offset + n, self.step)
+        return rows if self.keys is None else max(rows, self.keys.shape[2])
+
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if n == 1:
             return super().make_mask(n, return_array=return_array, window_size=window_size)
-        rows = capacity(self.offset + n, self.step)
-        if self.keys is not None:
-            rows = max(rows, self.keys.shape[2])
-        mask = capacity_mask(self.offset, n, rows, window_size)
+        mask = capacity_mask(self.offset, n, self.fetched(n), window_size)
         return mask if self.keys is None else additive(mask, self.keys.dtype)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine import batch_cache, caches, compiled, cuda_skinny, recurrent
 from engine.errors import TandemError
@@ -398,7 +398,7 @@ class Target:
         for the whole batch at once)."""
         width = int(ids.shape[1])
         view = batch_cache.batch_view(row_caches)
-        before = {i: list(c.cache) for i, c in enumerate(caches.leaves(view)) if type(c) is ArraysCache}
+        before = batch_cache.recurrent_slots(view)
         txns = [batch_cache.RowVerify(c, width, b) for b, c in enumerate(row_caches)]  # marks before the forward
         recording = None
         if before and width > 1:

@@ -207,11 +207,7 @@ class DraftModelDrafter(Drafter):
         cap = min(cap, self.max_draft)
         if cap <= 0:
             return None
-        # A backlog nobody caught up goes in bounded chunks, not one graph.
-        _, pending = self._feed_backlog(self._sync(ids), FEED_CHUNK)
-        if not self._trims:
-            self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)
-        logits = self._forward(pending)
+        logits = self._forward(self._pending(ids))
         tokens, probs = [], []
         for i in range(cap):
             if sampler.greedy:
@@ -223,10 +219,21 @@ class DraftModelDrafter(Drafter):
             tokens.append(tok)
             if i + 1 < cap:
                 logits = self.model(tok.reshape(1, 1), cache=self._cache)[0, -1]
-        draft = Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None)
-        # The cache now also holds the first cap-1 drafts; their values are read after verify.
+        return self._drafted(ids, Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(probs) if probs else None))
+
+    def _pending(self, ids: Sequence[int]) -> list[int]:
+        """Before a proposal after ``ids``: the tokens it feeds first (the anchor and what the
+        cache lacks). A backlog nobody caught up goes in bounded chunks now, not one graph; a
+        cache that cannot trim takes its savepoint here."""
+        _, pending = self._feed_backlog(self._sync(ids), FEED_CHUNK)
+        if not self._trims:
+            self._savepoint, self._saved = caches.Savepoint(self._cache), len(ids) - len(pending)
+        return pending
+
+    def _drafted(self, ids: Sequence[int], draft: Draft) -> Draft:
+        """After a proposal: the cache also holds its drafts but the last; their values are read after verify."""
         self._cached = list(ids)
-        self._uncommitted = draft.tokens[: cap - 1]
+        self._uncommitted = draft.tokens[:-1]
         return draft
 
     @staticmethod
@@ -245,11 +252,7 @@ class DraftModelDrafter(Drafter):
         rows = [requests[b] for b in group]
         drafters = [d for d, _, _, _ in rows]
         caps = [min(cap, d.max_draft) for d, _, cap, _ in rows]
-        pending = [d._feed_backlog(d._sync(ids), FEED_CHUNK)[1] for d, ids, _, _ in rows]
-        for d, (_, ids, _, _), p in zip(drafters, rows, pending):
-            if not d._trims:
-                d._savepoint, d._saved = caches.Savepoint(d._cache), len(ids) - len(p)
-        logits = _first_forward(drafters, pending)
+        logits = _first_forward(drafters, [d._pending(ids) for d, ids, _, _ in rows])
         tokens: list[list[mx.array]] = [[] for _ in rows]
         probs: list[list[mx.array]] = [[] for _ in rows]
         active = list(range(len(rows)))
@@ -266,9 +269,7 @@ class DraftModelDrafter(Drafter):
                               [drafters[r]._cache for r in active])[:, -1]
         for b, (d, ids, _, _), row_tokens, row_probs in zip(group, rows, tokens, probs):
             draft = Draft(mx.stack(row_tokens).astype(mx.uint32), mx.stack(row_probs) if row_probs else None)
-            d._cached = list(ids)
-            d._uncommitted = draft.tokens[:-1]
-            out[b] = draft
+            out[b] = d._drafted(ids, draft)
         return out
 
     def commit(self, ids: Sequence[int], n_new: int, hidden: mx.array | None) -> None:
